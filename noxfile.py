@@ -1,0 +1,78 @@
+"""Every user-facing workflow of qwentitan. Run with `uv run nox -s <session>`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "isolation", "integration"]
+
+PACKAGES = ("kernels", "modeling", "checkpoint", "launch")
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install exactly what uv.lock says into this session's environment."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--no-default-groups",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        external=True,
+    )
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", *paths, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    _sync(session, "--only-group", "dev")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite in one environment holding every package."""
+    _sync(session, "--all-packages", "--group", "test")
+    _pytest(session, "tests")
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def isolation(session: nox.Session, package: str) -> None:
+    """One package, built as a wheel, alone with its declared dependencies: import it, run its tests."""
+    _sync(session, "--package", f"qwentitan-{package}", "--no-editable", "--group", "test")
+    session.run("python", "-c", _IMPORT_CHECK.format(package=package))
+    _pytest(session, f"tests/{package}")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Tests that cross packages (tests/integration), in the full workspace environment."""
+    _sync(session, "--all-packages", "--group", "test")
+    _pytest(session, "tests/integration")
+
+
+# `qwentitan` must stay a namespace (no __init__.py) so the four wheels can share it, and a
+# package must not reach a sibling it does not declare.
+_IMPORT_CHECK = """
+import importlib, importlib.metadata as md, qwentitan
+assert getattr(qwentitan, "__file__", None) is None, "qwentitan/__init__.py must not exist"
+importlib.import_module("qwentitan.{package}")
+declared = {{r.split(";")[0].split("[")[0].strip() for r in md.requires("qwentitan-{package}") or []
+            if "extra ==" not in r}}
+for sibling in {packages!r}:
+    if sibling != "{package}" and f"qwentitan-{{sibling}}" not in declared:
+        try:
+            importlib.import_module(f"qwentitan.{{sibling}}")
+        except ModuleNotFoundError:
+            continue
+        raise SystemExit(f"qwentitan.{{sibling}} is importable but qwentitan-{package} does not declare it")
+print("qwentitan.{package} imports alone")
+""".replace("{packages!r}", repr(PACKAGES))
