@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "uv"
@@ -76,3 +78,12 @@ for sibling in {packages!r}:
         raise SystemExit(f"qwentitan.{{sibling}} is importable but qwentitan-{package} does not declare it")
 print("qwentitan.{package} imports alone")
 """.replace("{packages!r}", repr(PACKAGES))
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks, as ratios against a baseline measured in the same run. `-- kernels` picks one."""
+    _sync(session, "--all-packages")
+    for script in sorted(Path("benchmarks").glob("bench_*.py")):
+        if not session.posargs or script.stem.removeprefix("bench_") in session.posargs:
+            session.run("python", str(script))
