@@ -90,5 +90,6 @@ def model_spec(
         return _native_spec(f, attn_backend)
     if path == "moe-kernels":
         return _moe_kernels_spec(f, attn_backend)
-    # interim: the hf path lands in the next commit of branch `modeling`
-    raise ModelingError("The hf path is not built yet; use path 'native' for now.")
+    from qwentitan.modeling.hf_path import hf_model_spec  # transformers' model classes: on demand
+
+    return hf_model_spec(f, hf_folder=hf_folder, attn_backend=attn_backend)
