@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from qwentitan.kernels import nki_loader
 from qwentitan.kernels.errors import KernelError
 from qwentitan.kernels.neuron_dispatch import register_neuron_impl
-from qwentitan.kernels.nki_loader import load_kernel, logical_core_count
 
 MAX_HEAD_DIM = 128  # attention_cte asserts d <= 128 (nki-library at SDK 2.29)
 MAX_FOLDED_HEADS = 512  # attention_cte asserts batch * heads <= 512
@@ -161,8 +161,8 @@ def causal_attention_nki(q, k, v, scale):
     _check_nki(q, k, backward=False)
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    lnc = logical_core_count()
-    out, neg_max, sum_recip = load_kernel("attention_cte")[lnc](
+    lnc = nki_loader.logical_core_count()
+    out, neg_max, sum_recip = nki_loader.load_kernel("attention_cte")[lnc](
         q=q.transpose(1, 2).reshape(batch * heads, seq, head_dim),  # tp_q=True: (BH, S, d)
         k=k.permute(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, seq),  # tp_k=False: (BH, d, S)
         v=v.transpose(1, 2).reshape(batch * kv_heads, seq, head_dim),
@@ -186,13 +186,13 @@ def causal_attention_backward_nki(grad_out, q, k, v, out, lse, scale):
     _check(q, k, v)
     _check_nki(q, k, backward=True)
     batch, seq, heads, _ = q.shape
-    lnc = logical_core_count()
+    lnc = nki_loader.logical_core_count()
 
     def d_major(x):  # (b, s, h, d) -> (b, h, d, s)
         return x.permute(0, 2, 3, 1).contiguous()
 
     lse_tiles = lse.to(torch.float32).reshape(batch, heads, seq // 128, 128).transpose(-1, -2)
-    dq, dk, dv = load_kernel("attention_bwd")[lnc](
+    dq, dk, dv = nki_loader.load_kernel("attention_bwd")[lnc](
         q_ref=d_major(q),
         k_ref=d_major(k),
         v_ref=d_major(v),

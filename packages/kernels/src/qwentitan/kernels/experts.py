@@ -16,9 +16,9 @@ import math
 
 import torch
 
+from qwentitan.kernels import nki_loader
 from qwentitan.kernels.errors import KernelError
 from qwentitan.kernels.neuron_dispatch import register_neuron_impl
-from qwentitan.kernels.nki_loader import load_kernel, logical_core_count
 
 
 def num_blocks(num_assignments: int, num_experts: int, block_size: int) -> int:
@@ -171,7 +171,7 @@ def grouped_experts_backward_reference(
 
 def _check_nki(hidden, gate_up, block_size, backward):
     hidden_dim, inter = hidden.shape[1], gate_up.shape[3]
-    lnc = logical_core_count()
+    lnc = nki_loader.logical_core_count()
     problems = []
     if block_size % 256 != 0 or block_size not in (256, 512, 1024):
         problems.append(f"block_size {block_size} must be 256, 512 or 1024")
@@ -211,7 +211,7 @@ def grouped_experts_nki(
     padded, flat_aff, ids, experts = _nki_inputs(
         hidden, affinities, token_position_to_id, block_to_expert
     )
-    out, gate_up_act, down_act = load_kernel("moe_blockwise_fwd")[lnc](
+    out, gate_up_act, down_act = nki_loader.load_kernel("moe_blockwise_fwd")[lnc](
         hidden_states=padded,
         expert_affinities_masked=flat_aff,
         gate_up_proj_weight=gate_up.contiguous(),
@@ -243,7 +243,7 @@ def grouped_experts_backward_nki(
     )
     tokens = hidden.shape[0]
     grad_padded = torch.cat([grad_out, grad_out.new_zeros(1, grad_out.shape[1])])
-    grads = load_kernel("moe_blockwise_bwd")[lnc](
+    grads = nki_loader.load_kernel("moe_blockwise_bwd")[lnc](
         hidden_states=padded,
         expert_affinities_masked=flat_aff,
         gate_up_proj_weight=gate_up.contiguous(),

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from qwentitan.kernels import nki_loader
 from qwentitan.kernels.errors import KernelError
 from qwentitan.kernels.neuron_dispatch import register_neuron_impl
-from qwentitan.kernels.nki_loader import load_kernel, logical_core_count
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor) -> None:
@@ -79,7 +79,7 @@ def rope_nki(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, b
     """The call into nkilib `rope_hf`: (b, s, h, d) -> (b, h, s, d), caller-provided out buffers."""
     _check(query, key, rope_cache)
     seq = query.shape[1]
-    lnc = logical_core_count()
+    lnc = nki_loader.logical_core_count()
     if seq % (128 * lnc) != 0:
         raise KernelError(
             f"the NKI rope kernel needs the sequence length to be a multiple of 128 x LNC = "
@@ -89,7 +89,7 @@ def rope_nki(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, b
     k_bhsd = key.transpose(1, 2).contiguous()
     q_out = torch.empty_like(q_bhsd)
     k_out = torch.empty_like(k_bhsd)
-    kernel = load_kernel("rope_hf")
+    kernel = nki_loader.load_kernel("rope_hf")
     q_out, k_out = kernel[lnc](
         q=q_bhsd,
         k=k_bhsd,
