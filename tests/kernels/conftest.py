@@ -39,7 +39,7 @@ def rope_hf(lnc, q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backwa
     assert q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
     assert q_out.shape == q.shape and k_out.shape == k.shape, "out buffers must match q and k"
     assert (rope_cache is None) != (cos is None and sin is None), "one cache form only"
-    batch, heads, seq, dim = q.shape
+    _, _, seq, dim = q.shape
     assert seq % (128 * lnc) == 0, "S % (128 * lnc) == 0"
     assert rope_cache.dim() == 2 and rope_cache.shape[1] == 2 * dim and rope_cache.shape[0] >= seq
     assert rope_cache.dtype == q.dtype

@@ -50,7 +50,8 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def _math_forward(q, k, v, scale):
     # Explicit softmax: the device-independent twin (cuda and any non-cpu device).
     groups = q.shape[2] // k.shape[2]
-    qh, kh, vh = q.transpose(1, 2), _expand_kv(k.transpose(1, 2), groups), v.transpose(1, 2)
+    qh, kh = q.transpose(1, 2), _expand_kv(k.transpose(1, 2), groups)
+    vh = _expand_kv(v.transpose(1, 2), groups)
     acc = _lse_dtype(q.dtype)
     scores = torch.matmul(qh.to(acc), kh.to(acc).transpose(-1, -2)) * scale
     seq = q.shape[1]
