@@ -20,7 +20,7 @@ from qwentitan.kernels.errors import KernelError
 logger = logging.getLogger("qwentitan.kernels")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReplacementRule:
     """Replace every config node whose path matches `pattern` by `replacement(node)`.
 
