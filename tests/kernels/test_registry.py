@@ -75,7 +75,7 @@ def test_a_narrower_pattern_selects_some_layers_only():
 
 
 def test_a_pattern_matching_nothing_is_an_error():
-    with pytest.raises(KernelError, match=r"matches no module.*layers\.\*\.attn\.rope"):
+    with pytest.raises(KernelError, match=r"'layers\.\*\.attn\.rope' matches no module"):
         apply_replacements(_model(), [ReplacementRule("layers.*.attn.rope", _fast, "fast")])
 
 
