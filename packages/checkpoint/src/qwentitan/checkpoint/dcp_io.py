@@ -86,6 +86,11 @@ class _LazySavePlanner(DefaultSavePlanner):
         self._budget = budget
         self._on_written = on_written
         self._last = threading.local()
+        self.resolved: set[str] = set()
+        # FileSystemWriter's extra threads swallow exceptions (the thread just ends and its
+        # files are missing from .metadata), so the first failure is kept and re-raised.
+        self.error: BaseException | None = None
+        self.threads: set[threading.Thread] = set()
 
     def _retire_previous(self) -> None:
         previous = getattr(self._last, "item", None)
@@ -104,6 +109,9 @@ class _LazySavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item):  # type: ignore[override]
         self._retire_previous()
+        self.threads.add(threading.current_thread())
+        if self.error is not None:  # another thread failed: stop writing
+            raise RuntimeError("DCP save aborted after an earlier error")
         fqn = write_item.index.fqn
         shape_nbytes = write_item.tensor_data.properties.dtype.itemsize
         for s in write_item.tensor_data.size:
@@ -111,9 +119,11 @@ class _LazySavePlanner(DefaultSavePlanner):
         taken = self._budget.acquire(shape_nbytes)
         try:
             tensor = self._producers[fqn]()
-        except BaseException:
+        except BaseException as e:
             self._budget.release(taken)
+            self.error = self.error or e
             raise
+        self.resolved.add(fqn)
         # Also fires when a writer thread ends and drops its last tensor.
         finalizer = weakref.finalize(tensor, self._written, taken, tensor.nbytes)
         self._last.item = (weakref.ref(tensor), finalizer)
@@ -140,9 +150,24 @@ def save(
     # One file per tensor: with one file per thread, FileSystemWriter keeps every tensor of a
     # file referenced until the file is closed, i.e. the whole model.
     writer = FileSystemWriter(folder, single_file_per_rank=False, thread_count=threads)
-    with _quiet_single_process():
-        dcp.save(meta, storage_writer=writer, planner=planner, no_dist=True)
-    planner.finish_thread()
+    try:
+        with _quiet_single_process():
+            dcp.save(meta, storage_writer=writer, planner=planner, no_dist=True)
+    except BaseException:  # DCP's CheckpointException derives from BaseException
+        # When the calling thread fails, DCP returns without joining its other writer
+        # threads; wait for them so nothing writes into the folder after it is removed.
+        for thread in planner.threads - {threading.current_thread()}:
+            thread.join()
+        if planner.error is not None:
+            raise planner.error from None
+        raise
+    finally:
+        planner.finish_thread()
+    if planner.error is not None:
+        raise planner.error
+    if planner.resolved != set(specs):
+        missing = sorted(set(specs) - planner.resolved)
+        raise RuntimeError(f"DCP save skipped {len(missing)} tensors, first {missing[0]!r}")
 
 
 class DCPFolder:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,8 +62,13 @@ def staged_folder(dst: Path) -> Iterator[Path]:
             os.rename(tmp, dst)
         _fsync_dir(dst.parent)
     finally:
-        if tmp.exists():
+        # A writer thread that was still starting when the run failed may create one more
+        # (empty) file; retry briefly so nothing is left behind.
+        for _ in range(50):
+            if not tmp.exists():
+                break
             shutil.rmtree(tmp, ignore_errors=True)
+            time.sleep(0.02)
 
 
 def _fsync_dir(path: Path) -> None:
