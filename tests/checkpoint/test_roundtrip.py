@@ -143,3 +143,14 @@ def test_verify_reports_missing_and_extra_keys(make_hf, tmp_path):
     assert "layers.0.feed_forward.w1.weight" in report.missing_in_dcp
     assert "layers.0.moe.routed_experts.inner_experts.w1_EFD" in report.unexpected_in_dcp
     assert "missing from the DCP" in report.format()
+
+
+def test_cli_verify_exits_1_on_a_difference_and_0_when_identical(make_hf, tmp_path, capsys):
+    from qwentitan.checkpoint.cli import main
+
+    a, b = make_hf("a", tied=False), make_hf("b", tied=True)
+    assert main(["to-dcp", str(a), str(tmp_path / "dcp")]) == 0
+    assert main(["verify", str(a), str(tmp_path / "dcp")]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["verify", str(b), str(tmp_path / "dcp")]) == 1
+    assert "DIFFERENT" in capsys.readouterr().out
