@@ -154,3 +154,25 @@ def test_cli_verify_exits_1_on_a_difference_and_0_when_identical(make_hf, tmp_pa
     assert "identical" in capsys.readouterr().out
     assert main(["verify", str(b), str(tmp_path / "dcp")]) == 1
     assert "DIFFERENT" in capsys.readouterr().out
+
+
+def test_to_hf_reads_a_training_checkpoint_saved_one_file_per_rank(make_hf, helpers, tmp_path):
+    """A torchtitan-style DCP: all tensors in one file, plus optimizer and train state to ignore."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    src = make_hf(moe=True, tied=False)
+    to_dcp(src, tmp_path / "ours")
+    state = helpers.load_dcp(tmp_path / "ours")
+    state["optimizer"] = {"state.norm.weight.exp_avg": torch.ones(3)}
+    state["train_state"] = {"step": 7}
+    dcp.save(state, checkpoint_id=tmp_path / "step-7", no_dist=True)
+    assert len(list((tmp_path / "step-7").glob("*.distcp"))) == 1
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+
+    to_hf(tmp_path / "step-7", tmp_path / "back", config=tmp_path / "config.json")
+    before, after = helpers.load_hf(src), helpers.load_hf(tmp_path / "back")
+    assert before.keys() == after.keys()
+    assert all(helpers.bitwise_equal(before[k], after[k]) for k in before)
+    assert verify(src, tmp_path / "step-7").ok

@@ -167,8 +167,8 @@ def to_hf(
     dropped_bias: list[str] = []
 
     def export(t: TitanTensor) -> None:
-        # DCP's reader holds the loaded copy and the target at once: twice the tensor.
-        with budget.hold(2 * _nbytes(ckpt, t.name)):
+        # DCP's reader may hold the loaded copy and the target at once: twice the tensor.
+        with budget.hold(ckpt.load_cost(t.name)):
             value = ckpt.load(t.name)
             if not t.hf_names:
                 if value.any():
@@ -204,11 +204,6 @@ def to_hf(
             stacklevel=2,
         )
     return dst
-
-
-def _nbytes(ckpt: dcp_io.DCPFolder, fqn: str) -> int:
-    shape, dtype = ckpt.tensors[fqn]
-    return torch.empty(shape, dtype=dtype, device="meta").nbytes
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -196,9 +196,43 @@ class DCPFolder:
             for fqn, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
         }
+        # Tensors stored whole, alone in their file (what `save` writes): loadable by mapping
+        # the file instead of reading it into a buffer and copying it into the target.
+        self._whole_files: dict[str, Path] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            md = metadata.state_dict_metadata.get(index.fqn)
+            if (
+                isinstance(md, TensorStorageMetadata)
+                and len(md.chunks) == 1
+                and not any(index.offset)
+                and info.offset == 0
+                and not getattr(info, "transform_descriptors", None)
+            ):
+                file = self.path / info.relative_path
+                if file.is_file() and file.stat().st_size == info.length:
+                    self._whole_files[index.fqn] = file
+
+    def load_cost(self, fqn: str) -> int:
+        """Bytes `load` holds at its peak: the tensor, twice when DCP's reader copies it."""
+        shape, dtype = self.tensors[fqn]
+        nbytes = torch.empty(shape, dtype=dtype, device="meta").nbytes
+        return nbytes if fqn in self._whole_files else 2 * nbytes
 
     def load(self, fqn: str) -> torch.Tensor:
+        """One tensor, whole: memory-mapped when it fills its own file, else via `dcp.load`."""
         shape, dtype = self.tensors[fqn]
+        file = self._whole_files.get(fqn)
+        if file is not None:
+            try:
+                tensor = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except Exception:
+                tensor = None
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tuple(tensor.shape) == shape
+                and tensor.dtype == dtype
+            ):
+                return tensor
         out = {fqn: torch.empty(shape, dtype=dtype)}
         try:
             with _quiet_single_process():

@@ -140,7 +140,7 @@ def verify(
 
     def compare(t: TitanTensor) -> None:
         nbytes = torch.empty(t.shape, dtype=ckpt.tensors[t.name][1], device="meta").nbytes
-        with budget.hold(3 * nbytes):
+        with budget.hold(ckpt.load_cost(t.name) + nbytes):
             got = ckpt.load(t.name)
             if not t.hf_names:
                 if got.any():
