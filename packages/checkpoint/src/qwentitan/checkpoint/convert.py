@@ -29,7 +29,7 @@ from qwentitan.checkpoint.safetensors_io import HFFolder, ShardedWriter, parse_s
 THREADS = max(2, min(4, os.cpu_count() or 2))
 # Tensors in flight at once (bytes). A single larger group (one layer's stacked experts, a
 # 150k-vocab embedding) still goes through, alone.
-MEMORY_BUDGET = 1 << 30
+MEMORY_BUDGET = 512 << 20
 _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _SIDE_FILES = ("config.json", "generation_config.json")
 

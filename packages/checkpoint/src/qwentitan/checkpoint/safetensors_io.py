@@ -251,8 +251,11 @@ class ShardedWriter:
                 self.where[tname] = (fd, 8 + len(raw) + start, _nbytes(dtype, shape))
                 weight_map[tname] = name
             total += offset
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if count > 1:
+            # Like save_pretrained, a single model.safetensors has no index: torchtitan's
+            # adapter reads shard numbers out of index file names and fails on one without.
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         fd, offset, nbytes = self.where[name]

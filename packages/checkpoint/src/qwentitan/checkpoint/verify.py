@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from qwentitan.checkpoint import dcp_io
-from qwentitan.checkpoint.convert import THREADS, check_hf_tensors
+from qwentitan.checkpoint.convert import MEMORY_BUDGET, THREADS, check_hf_tensors
 from qwentitan.checkpoint.layout import NON_MODEL_PREFIXES, Qwen3Layout, TitanTensor, read_config
 from qwentitan.checkpoint.safetensors_io import HFFolder, read_into
 
@@ -136,7 +136,7 @@ def verify(
         else:
             comparable.append(t)
 
-    budget = dcp_io.MemoryBudget(1 << 30)
+    budget = dcp_io.MemoryBudget(MEMORY_BUDGET)
 
     def compare(t: TitanTensor) -> None:
         nbytes = torch.empty(t.shape, dtype=ckpt.tensors[t.name][1], device="meta").nbytes
