@@ -124,7 +124,7 @@ def _tiny(flavor: str, *, lr: float) -> Trainer.Config:
 
 def tiny_dense() -> Trainer.Config:
     """Dense tiny Qwen3 (qk-norm, GQA, tied embeddings) on the offline corpus."""
-    return _tiny("tiny-dense", lr=3e-3)
+    return _tiny("tiny-dense", lr=1e-2)
 
 
 def tiny_moe() -> Trainer.Config:
