@@ -11,13 +11,29 @@ from collections.abc import Callable
 from torchtitan.trainer import Trainer
 
 from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.recipes.tiny import metrics_config, tiny_dense, tiny_moe
+from qwentitan.launch.recipes.tiny import (
+    metrics_config,
+    tiny_dense,
+    tiny_hf,
+    tiny_moe,
+    tiny_moe_kernels,
+)
 
-__all__ = ["get_recipe", "metrics_config", "recipe_names", "tiny_dense", "tiny_moe"]
+__all__ = [
+    "get_recipe",
+    "metrics_config",
+    "recipe_names",
+    "tiny_dense",
+    "tiny_hf",
+    "tiny_moe",
+    "tiny_moe_kernels",
+]
 
 _RECIPES: dict[str, Callable[[], Trainer.Config]] = {
     "tiny_dense": tiny_dense,
     "tiny_moe": tiny_moe,
+    "tiny_hf": tiny_hf,
+    "tiny_moe_kernels": tiny_moe_kernels,
 }
 
 
