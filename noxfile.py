@@ -87,3 +87,13 @@ def bench(session: nox.Session) -> None:
     for script in sorted(Path("benchmarks").glob("bench_*.py")):
         if not session.posargs or script.stem.removeprefix("bench_") in session.posargs:
             session.run("python", str(script))
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """The main job: a tiny Qwen3 trained here with torchtitan, no download (`qwentitan-launch train`).
+
+    Arguments after `--` go to the command: `--recipe tiny_moe`, `--steps 80 --resume`, `--ranks 1`.
+    """
+    _sync(session, "--all-packages")
+    session.run("qwentitan-launch", "train", *session.posargs)
