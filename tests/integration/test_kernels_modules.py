@@ -58,7 +58,7 @@ def _routed_rows(rows=40, experts=4):
 
 def test_grouped_experts_match_torchtitan_grouped_experts_in_bfloat16():
     theirs = _experts(GroupedExperts)
-    ours = _experts(KernelGroupedExperts, block_size=8)
+    ours = _experts(KernelGroupedExperts, block_size=8, compute_dtype=torch.bfloat16)
     ours.load_state_dict(theirs.state_dict())
     x, counts = _routed_rows()
     xt, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -77,7 +77,7 @@ def test_grouped_experts_match_torchtitan_grouped_experts_in_bfloat16():
 
 def test_grouped_experts_match_torchtitans_grouped_mm_formula_in_float32():
     theirs = _experts(GroupedExperts)
-    ours = _experts(KernelGroupedExperts, block_size=8, compute_dtype=None)
+    ours = _experts(KernelGroupedExperts, block_size=8)  # computes in the input's float32
     x, counts = _routed_rows()
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     # torchtitan's GroupedExperts.forward with its bfloat16 casts removed (its own _grouped_mm seam).

@@ -161,6 +161,7 @@ def test_fsdp_sharded_model_loads_the_folder_and_matches(flavor, tokens, one_ran
     model.init_weights()
     with torch.no_grad():
         diff = (model(tokens) - hf_logits(folder, tokens)).abs().max().item()
+    print(f"hf {flavor} under FSDP2 max|diff| vs transformers from_pretrained: {diff:.3e}")
     assert diff <= 1e-5
 
 

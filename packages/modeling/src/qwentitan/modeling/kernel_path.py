@@ -10,8 +10,8 @@ Semantics that differ from torchtitan's defaults, because the NKI kernels work t
   positions 0..seq-1 (rope_hf is gather-free), so per-document `positions` are not used: a
   packed row is one causal sequence for both;
 - expert weights are re-laid out each forward into the kernel's (experts, hidden, 2, inter) and
-  (experts, inter, hidden) forms; the experts compute in bfloat16 like torchtitan's
-  GroupedExperts unless `compute_dtype` says otherwise.
+  (experts, inter, hidden) forms; the experts compute in the input's dtype (torchtitan's
+  GroupedExperts always casts to bfloat16; `compute_dtype=torch.bfloat16` reproduces that).
 """
 
 from __future__ import annotations
@@ -113,7 +113,9 @@ class KernelGroupedExperts(GroupedExperts):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
         block_size: int = 256  # moe_cte needs a multiple of 256; blockwise_mm_bwd <= 1024
-        compute_dtype: torch.dtype | None = torch.bfloat16  # None: the input's dtype
+        # None: the input's dtype, as the NKI kernel computes. torchtitan's GroupedExperts always
+        # casts to bfloat16 (a CUDA grouped_mm limit); set torch.bfloat16 to reproduce that.
+        compute_dtype: torch.dtype | None = None
 
     def __init__(self, config: Config):
         super().__init__(config)
