@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
 from transformers import AutoModelForCausalLM
 
 from qwentitan.modeling import (
@@ -208,3 +209,25 @@ def test_a_shard_reads_only_its_region(tiny_moe_folder):
             hub, key, flavor, (slice(8, 8), slice(0, 128), slice(0, 64)), (0, 128, 64)
         )
         assert empty.shape == (0, 128, 64)
+
+
+def test_torchtitans_activation_checkpointing_wraps_the_transformers_layers(tokens):
+    spec, model = _build("tiny-moe")
+    assert spec.post_optimizer_build_fn is None  # nothing to balance in transformers' MoE
+    with torch.no_grad():
+        before = model(tokens)
+    parallelize_hf_qwen3(
+        model,
+        parallel_dims=SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False),
+        training=TrainingConfig(),
+        parallelism=ParallelismConfig(),
+        compile_config=SimpleNamespace(enable=False, components=[]),
+        ac_config=FullAC.Config(),
+        dump_folder="",
+    )
+    assert all(type(layer).__name__ == "CheckpointWrapper" for layer in model.layers)
+    model.train()
+    logits = model(tokens)
+    logits.sum().backward()
+    assert torch.equal(logits.detach(), before)
+    assert model.model.model.embed_tokens.weight.grad is not None

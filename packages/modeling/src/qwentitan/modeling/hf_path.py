@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.protocols.model import BaseModel
@@ -244,6 +243,8 @@ def hf_model_spec(flavor: Flavor, *, hf_folder: str | Path | None, attn_backend:
         model=config,
         parallelize_fn=parallelize_hf_qwen3,
         pipelining_fn=None,
-        post_optimizer_build_fn=register_moe_load_balancing_hook,
+        # transformers' Qwen3-MoE has no expert-bias balancing to update (and torchtitan's hook
+        # asserts its own ModuleDict of layers)
+        post_optimizer_build_fn=None,
         state_dict_adapter=HFQwen3StateDictAdapter,
     )
