@@ -69,6 +69,16 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+class _InFlight:
+    """The tensor a writer thread is writing, until that thread asks for its next one."""
+
+    __slots__ = ("__weakref__", "finalizer", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.finalizer: weakref.finalize | None = None
+
+
 class _LazySavePlanner(DefaultSavePlanner):
     """Hands DCP each tensor only when a writer thread is about to write it.
 
@@ -98,12 +108,11 @@ class _LazySavePlanner(DefaultSavePlanner):
         previous = getattr(self._last, "item", None)
         if previous is None:
             return
-        tensor_ref, finalizer = previous
         self._last.item = None
-        tensor = tensor_ref()
-        if tensor is not None:
-            tensor.untyped_storage().resize_(0)
-        finalizer()  # counts the bytes as written and returns them to the budget, once
+        storage = previous.tensor.untyped_storage()
+        if storage.resizable():  # it is on disk; DCP's alias of it is never read again
+            storage.resize_(0)
+        previous.finalizer()  # counts the bytes as written and returns them to the budget, once
 
     def _written(self, taken: int, nbytes: int) -> None:
         self._budget.release(taken)
@@ -126,9 +135,12 @@ class _LazySavePlanner(DefaultSavePlanner):
             self.error = self.error or e
             raise
         self.resolved.add(fqn)
-        # Also fires when a writer thread ends and drops its last tensor.
-        finalizer = weakref.finalize(tensor, self._written, taken, tensor.nbytes)
-        self._last.item = (weakref.ref(tensor), finalizer)
+        # The thread-local record holds the tensor itself: DCP keeps only a detached alias of
+        # it, so watching the returned object would release the budget at once. The record
+        # also dies with its writer thread, which then returns the bytes.
+        record = _InFlight(tensor)
+        record.finalizer = weakref.finalize(record, self._written, taken, tensor.nbytes)
+        self._last.item = record
         return tensor
 
     def finish_thread(self) -> None:
