@@ -51,7 +51,7 @@ def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer
             warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1
         ),
         training=TrainingConfig(
-            local_batch_size=2,
+            local_batch_size=4,
             seq_len=128,
             steps=steps,
             # float32 end to end: CPUs have no fast bfloat16 path, and it keeps resume exact.
