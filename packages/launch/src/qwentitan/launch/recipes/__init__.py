@@ -14,7 +14,6 @@ from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.recipes.tiny import (
     metrics_config,
     tiny_dense,
-    tiny_hf,
     tiny_moe,
     tiny_moe_kernels,
 )
@@ -24,7 +23,6 @@ __all__ = [
     "metrics_config",
     "recipe_names",
     "tiny_dense",
-    "tiny_hf",
     "tiny_moe",
     "tiny_moe_kernels",
 ]
@@ -32,7 +30,6 @@ __all__ = [
 _RECIPES: dict[str, Callable[[], Trainer.Config]] = {
     "tiny_dense": tiny_dense,
     "tiny_moe": tiny_moe,
-    "tiny_hf": tiny_hf,
     "tiny_moe_kernels": tiny_moe_kernels,
 }
 
