@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from qwentitan.checkpoint.errors import CheckpointError
@@ -37,6 +38,7 @@ class MemoryBudget:
 
     def __init__(self, limit: int):
         self.limit = limit
+        self.peak = 0  # the most bytes ever in flight at once
         self._used = 0
         self._cond = threading.Condition()
 
@@ -45,6 +47,7 @@ class MemoryBudget:
         with self._cond:
             self._cond.wait_for(lambda: self._used + nbytes <= self.limit)
             self._used += nbytes
+            self.peak = max(self.peak, self._used)
         return nbytes
 
     def release(self, nbytes: int) -> None:
@@ -67,6 +70,20 @@ def _quiet_single_process() -> Iterator[None]:
         # DCP warns that it runs without a process group: exactly what an offline converter wants.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         yield
+
+
+class _RetiringFileSystem(FileSystem):
+    """DCP's local file system, telling the planner when a written file is closed."""
+
+    def __init__(self, on_close: Callable[[], None]):
+        super().__init__()
+        self._on_close = on_close
+
+    @contextmanager
+    def create_stream(self, path, mode):  # type: ignore[override]
+        with super().create_stream(path, mode) as stream:
+            yield stream
+        self._on_close()
 
 
 class _InFlight:
@@ -177,6 +194,9 @@ def save(
     writer = FileSystemWriter(
         folder, single_file_per_rank=False, thread_count=threads, sync_files=False
     )
+    # Each file holds one tensor: when its stream closes, that tensor is on disk, so retire it
+    # there and then (a thread that waits in join() must not keep holding the budget).
+    writer.fs = _RetiringFileSystem(planner.finish_thread)
     try:
         with _quiet_single_process():
             dcp.save(meta, storage_writer=writer, planner=planner, no_dist=True)
