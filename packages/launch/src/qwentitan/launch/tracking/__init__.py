@@ -2,7 +2,7 @@
 
 from qwentitan.launch.tracking.cost import CATALOGUE, InstancePrice, cost_per_million_tokens
 from qwentitan.launch.tracking.logger import MLflowLogger, resolve_tracking_uri
-from qwentitan.launch.tracking.processor import TrackedMetrics
+from qwentitan.launch.tracking.processor import TrackedMetrics, tracked_metrics
 from qwentitan.launch.tracking.replay import sync_run_dir
 from qwentitan.launch.tracking.reports import attach_report
 
@@ -15,4 +15,5 @@ __all__ = [
     "cost_per_million_tokens",
     "resolve_tracking_uri",
     "sync_run_dir",
+    "tracked_metrics",
 ]

@@ -10,6 +10,7 @@ platform's peak, with no MFU at all where no peak is known (CPU).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,9 +107,21 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+def _platform():
+    """qwentitan's platform object (one place decides the platform), if that layer is present."""
+    try:
+        from qwentitan.launch.platforms import current_platform
+    except ImportError:
+        return None
+    return current_platform()
+
+
 def _platform_name(configured: str | None) -> str:
     if configured:
         return configured
+    platform = _platform()
+    if platform is not None:
+        return platform.name
     from torchtitan.tools.utils import device_type
 
     return device_type
@@ -116,11 +129,19 @@ def _platform_name(configured: str | None) -> str:
 
 def _platform_peak_flops() -> float | None:
     """Peak per rank from qwentitan's platform layer; None where unknown (CPU)."""
-    try:
-        from qwentitan.launch.platforms import current_platform
-    except ImportError:
-        return None
-    return current_platform().peak_flops
+    platform = _platform()
+    return platform.peak_flops if platform is not None else None
+
+
+def tracked_metrics(recipe: str, path: str, **metrics: Any) -> TrackedMetrics.Config:
+    """The metrics config a recipe sets: every step to the console and to MLflow.
+
+    `$QWENTITAN_MLFLOW=off` turns MLflow off (the console metrics stay), e.g. for tests.
+    """
+    enable = os.environ.get("QWENTITAN_MLFLOW", "on").lower() not in ("0", "off", "false", "no")
+    return TrackedMetrics.Config(
+        mlflow=MLflowLogger.Config(enable=enable, recipe=recipe, path=path), **metrics
+    )
 
 
 def _run_tags(
