@@ -91,6 +91,16 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def train(session: nox.Session) -> None:
+    """The main job: a tiny Qwen3 trained here with torchtitan, no download (`qwentitan-launch train`).
+
+    Arguments after `--` go to the command: `--recipe tiny_moe`, `--steps 80 --resume`, `--ranks 1`.
+    """
+    _sync(session, "--all-packages")
+    session.run("qwentitan-launch", "train", *session.posargs)
+
+
+@nox.session
 def pilot(session: nox.Session) -> None:
     """The hf, native and moe-kernels paths at tiny scale, as child runs of one MLflow parent run.
 

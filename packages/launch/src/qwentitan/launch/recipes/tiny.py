@@ -1,0 +1,95 @@
+"""Tiny Qwen3 recipes that train on any machine in minutes: `tiny_dense`, `tiny_moe`.
+
+The default data needs no download: the offline corpus (the interpreter's own help text and
+standard-library docstrings) read through Qwen3's real tokenizer (151,936-row padded vocabulary).
+Two ranks shard the model with FSDP; validation loss on the held-out slice every few steps;
+a full DCP checkpoint at the end, from which `--resume` continues.
+"""
+
+from __future__ import annotations
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.components.validate import Validator
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import CommConfig, DebugConfig
+
+from qwentitan.launch.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
+from qwentitan.launch.platforms import current_platform
+from qwentitan.launch.trainer import Trainer
+from qwentitan.modeling import get_flavor, model_spec
+
+__all__ = ["metrics_config", "tiny_dense", "tiny_hf", "tiny_moe", "tiny_moe_kernels"]
+
+SEED = 0
+
+
+def metrics_config() -> MetricsProcessor.Config:
+    """Console metrics every step. The one place recipes build metrics (tracking swaps it)."""
+    return MetricsProcessor.Config(log_freq=1)
+
+
+def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer.Config:
+    platform = current_platform()
+    # The platform names the attention that trains there (SDPA on CPU: FlexAttention has no
+    # CPU backward); qwentitan.modeling builds the model with it.
+    spec = model_spec(get_flavor(flavor), path, attn_backend=platform.attention)
+    steps = 40
+    return Trainer.Config(
+        model_spec=spec,
+        hf_assets_path=str(qwen_tokenizer_folder()),
+        dump_folder=f"./outputs/{name}",
+        metrics=metrics_config(),
+        dataloader=TextDataLoader.Config(dataset=OFFLINE),
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size),
+        ),
+        optimizer=default_adamw(lr=lr),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1
+        ),
+        training=TrainingConfig(
+            local_batch_size=2,
+            seq_len=128,
+            steps=steps,
+            # float32 end to end: CPUs have no fast bfloat16 path, and it keeps resume exact.
+            mixed_precision_param="float32",
+            disable_cuda_graphs=not platform.supports_cuda_graphs,
+            gc_freq=1000,
+        ),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        activation_checkpoint=None,  # tiny activations; recomputing them only costs time
+        checkpoint=CheckpointManager.Config(
+            enable=True, interval=100, last_save_model_only=False, keep_latest_k=2
+        ),
+        validator=Validator.Config(
+            enable=True,
+            freq=10,
+            steps=2,
+            dataloader=TextDataLoader.Config(dataset=OFFLINE, split="validation"),
+        ),
+        comm=CommConfig(init_timeout_seconds=120, train_timeout_seconds=120),
+        debug=DebugConfig(seed=SEED),
+    )
+
+
+def tiny_dense() -> Trainer.Config:
+    """Dense tiny Qwen3 (qk-norm, GQA, tied embeddings) on the offline corpus."""
+    return _tiny("tiny_dense", "tiny-dense", lr=1e-2)
+
+
+def tiny_moe() -> Trainer.Config:
+    """MoE tiny Qwen3 (top-k router, softmax scores) on the offline corpus."""
+    return _tiny("tiny_moe", "tiny-moe", lr=1e-2)
+
+
+def tiny_hf() -> Trainer.Config:
+    """`tiny_dense` with the model built by transformers v5 (the `hf` path)."""
+    return _tiny("tiny_hf", "tiny-dense", path="hf", lr=1e-2)
+
+
+def tiny_moe_kernels() -> Trainer.Config:
+    """`tiny_moe` with qwentitan.kernels' RoPE, attention and grouped experts (`moe-kernels`)."""
+    return _tiny("tiny_moe_kernels", "tiny-moe", path="moe-kernels", lr=1e-2)
