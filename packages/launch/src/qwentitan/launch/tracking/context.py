@@ -41,8 +41,12 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def git_commit(where: str | os.PathLike[str] = ".") -> str:
-    """The commit checked out at `where` (with `+dirty` when files differ), or "unknown"."""
+def git_commit(where: str | os.PathLike[str] | None = None) -> str:
+    """The commit of the working directory's checkout, else of the one holding this package
+    (with `+dirty` when tracked files differ), else "unknown"."""
+    if where is None:
+        found = git_commit(Path.cwd())
+        return found if found != "unknown" else git_commit(Path(__file__).resolve().parent)
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5

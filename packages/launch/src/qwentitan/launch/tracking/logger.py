@@ -202,6 +202,14 @@ class MLflowLogger(BaseLogger, Configurable):
         self.spool.close()
         if confirmed:
             log.info("MLflow run %s logged to %s", self.writer.run_id, self.tracking_uri)
+        elif self.writer.error is not None:
+            log.warning(
+                "MLflow at %s could not be reached; every metric is in %s. Replay it with "
+                "`qwentitan-launch sync-mlflow %s`.",
+                self.tracking_uri,
+                self.spool.path,
+                self.run_dir,
+            )
         else:
             log.warning(
                 "MLflow at %s did not confirm this run within %.0f s; everything is in %s. "
