@@ -225,3 +225,20 @@ def test_a_torn_last_line_is_ignored_but_a_damaged_middle_is_reported(tmp_path):
     spool.write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
     with pytest.raises(LaunchError, match="Line 2"):
         read_spool(spool)
+
+
+def test_recipes_get_tracking_per_step_and_an_off_switch(monkeypatch):
+    from qwentitan.launch.tracking import TrackedMetrics, tracked_metrics
+    from qwentitan.launch.tracking.logger import experiment_name
+
+    monkeypatch.delenv("QWENTITAN_MLFLOW", raising=False)
+    config = tracked_metrics("tiny_moe", "native")
+    assert isinstance(config, TrackedMetrics.Config) and config.log_freq == 1
+    assert config.mlflow.enable and config.mlflow.recipe == "tiny_moe"
+    monkeypatch.setenv("QWENTITAN_MLFLOW", "off")
+    assert not tracked_metrics("tiny_moe", "native").mlflow.enable
+    monkeypatch.delenv("QWENTITAN_MLFLOW_EXPERIMENT", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert experiment_name("tiny_moe") == experiment_name("tiny_dense") == "qwentitan-tiny"
+    monkeypatch.setenv("QWENTITAN_MLFLOW_EXPERIMENT", "mine")
+    assert experiment_name("tiny_moe") == "mine"
