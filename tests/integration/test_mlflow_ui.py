@@ -143,12 +143,13 @@ def test_two_cpu_ranks_against_an_unreachable_server_then_sync(tmp_path, mlflow_
 @needs_tracked_recipes
 def test_pilot_children_appear_in_the_mlflow_ui(tmp_path, mlflow_ui):
     pilot = run_pilot(steps=2, ranks=1, run_dir=tmp_path / "pilot", tracking_uri=mlflow_ui)
-    assert set(pilot.children) == set(PILOT_RECIPES) - set(pilot.skipped)
+    trained = set(PILOT_RECIPES) - set(pilot.skipped) - set(pilot.failed)
+    assert len(trained) >= 2 and set(pilot.children) == trained
     client = MlflowClient(mlflow_ui)
     names = [set(client.get_run(run_id).data.metrics) for run_id in pilot.children.values()]
     assert all(n == names[0] for n in names), "the paths must log identical metric names"
     parent = client.get_run(pilot.parent_run_id)
-    assert parent.info.status == "FINISHED"
+    assert parent.info.status == ("FAILED" if pilot.failed else "FINISHED")
 
     chromium = shutil.which("chromium")
     if chromium is None:
@@ -165,3 +166,5 @@ def test_pilot_children_appear_in_the_mlflow_ui(tmp_path, mlflow_ui):
         capture_output=True, timeout=180,
     )  # fmt: skip
     assert shot.returncode == 0 and SCREENSHOT.read_bytes()[:4] == b"\x89PNG"
+    # Tracking worked for every path that trained; a path whose recipe breaks still fails here.
+    assert not pilot.failed, f"the pilot's {pilot.failed} recipe(s) failed to train"
