@@ -1,5 +1,5 @@
 """MLflow tracking end to end: real training ranks, a real `mlflow ui` server on loopback, and
-the experiment page opened in headless Chromium.
+the pilot's experiment and child-run pages opened in headless Chromium.
 
 Needs the recipes to log through `qwentitan.launch.tracking.tracked_metrics` (skipped, saying
 so, until they do) and Debian's `chromium` for the browser part (skipped, saying so, without it).
@@ -154,15 +154,26 @@ def test_pilot_children_appear_in_the_mlflow_ui(tmp_path, mlflow_ui):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("Debian's chromium is not installed (.ci/run installs it): UI not opened")
-    page = f"{mlflow_ui}/#/experiments/{parent.info.experiment_id}/runs"
-    flags = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([*flags, "--dump-dom", page], capture_output=True, text=True, timeout=180)
-    text = re.sub(r"<script.*?</script>|<style.*?</style>", "", dom.stdout, flags=re.S)
-    cells = {cell.strip() for cell in re.findall(r">([^<>]+)<", text)}
-    assert set(pilot.children) <= cells, f"child runs not on {page}"
+    flags = [chromium, *CHROMIUM_FLAGS]
+    experiment = f"{mlflow_ui}/#/experiments/{parent.info.experiment_id}/runs"
+
+    def rendered_text(url: str, profile: str) -> set[str]:
+        dom = subprocess.run(
+            [*flags, f"--user-data-dir={tmp_path / profile}", "--dump-dom", url],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        html = re.sub(r"<script.*?</script>|<style.*?</style>", "", dom.stdout, flags=re.S)
+        return {cell.strip() for cell in re.findall(r">([^<>]+)<", html)}
+
+    # The experiment page lists the parent; MLflow nests its children under it, collapsed.
+    assert parent.info.run_name in rendered_text(experiment, "p0"), f"parent not on {experiment}"
+    for path, run_id in pilot.children.items():
+        # Each child's own page names it and links its parent.
+        seen = rendered_text(f"{experiment}/{run_id}", f"p-{path}")
+        assert {path, parent.info.run_name} <= seen, f"child run {path} not shown by the UI"
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     shot = subprocess.run(
-        [*flags, f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={SCREENSHOT}", page],
+        [*flags, f"--user-data-dir={tmp_path / 'shot'}", f"--screenshot={SCREENSHOT}", experiment],
         capture_output=True, timeout=180,
     )  # fmt: skip
     assert shot.returncode == 0 and SCREENSHOT.read_bytes()[:4] == b"\x89PNG"
