@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -101,3 +102,25 @@ def train(session: nox.Session) -> None:
     """
     _sync(session, "--all-packages")
     session.run("qwentitan-launch", "train", *session.posargs)
+
+
+@nox.session
+def pilot(session: nox.Session) -> None:
+    """The hf, native and moe-kernels paths at tiny scale, as child runs of one MLflow parent run.
+
+    Logs to ./mlflow.db (or $MLFLOW_TRACKING_URI); `-- --steps 20 --ranks 2` sets the size.
+    Then `uv run nox -s mlflow_ui` to compare them.
+    """
+    _sync(session, "--all-packages")
+    session.run("python", "-m", "qwentitan.launch.tracking.pilot", *session.posargs)
+
+
+@nox.session
+def mlflow_ui(session: nox.Session) -> None:
+    """Serve the MLflow UI on the local store (./mlflow.db) at http://127.0.0.1:5000."""
+    _sync(session, "--all-packages")
+    store = os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{Path.cwd() / 'mlflow.db'}")
+    session.run(
+        "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", "5000",
+        *session.posargs,
+    )  # fmt: skip

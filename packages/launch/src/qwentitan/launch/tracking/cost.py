@@ -1,0 +1,73 @@
+"""Cost per million tokens, so runs on different hardware compare by money as well as speed.
+
+The catalogue is a small, dated list of on-demand Linux prices (USD per instance-hour,
+us-east-1). Prices change: the date says how old a figure is, and a flag
+(`MLflowLogger.Config.price_per_hour`) or `$QWENTITAN_PRICE_PER_HOUR` overrides it.
+An instance with no price gets no cost metric rather than a made-up one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from qwentitan.launch.errors import LaunchError
+
+PRICE_ENV = "QWENTITAN_PRICE_PER_HOUR"
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePrice:
+    instance_type: str
+    usd_per_hour: float
+    as_of: str
+    source: str
+
+
+# Public on-demand list prices as recorded on the date given; not re-verified since (no network
+# in this project's CI). Check https://aws.amazon.com/ec2/pricing/on-demand/ before relying on them.
+CATALOGUE: dict[str, InstancePrice] = {
+    price.instance_type: price
+    for price in (
+        InstancePrice("trn1.32xlarge", 21.50, "2025-06-01", "AWS EC2 on-demand, us-east-1"),
+        InstancePrice("trn2.48xlarge", 44.70, "2025-06-01", "AWS EC2 on-demand, us-east-1"),
+        InstancePrice("p4d.24xlarge", 21.96, "2025-06-01", "AWS EC2 on-demand, us-east-1"),
+        InstancePrice("p5.48xlarge", 55.04, "2025-06-01", "AWS EC2 on-demand, us-east-1"),
+    )
+}
+
+
+def hourly_price(instance_type: str, override: float | None = None) -> tuple[float, str] | None:
+    """(USD per instance-hour, where the figure came from), or None when nothing is known."""
+    if override is not None:
+        return _checked(override, "the price_per_hour setting"), "config"
+    if os.environ.get(PRICE_ENV):
+        try:
+            value = float(os.environ[PRICE_ENV])
+        except ValueError:
+            raise LaunchError(
+                f"${PRICE_ENV}={os.environ[PRICE_ENV]!r} is not a number; set it to the "
+                "instance's hourly price in USD, e.g. 44.70, or unset it."
+            ) from None
+        return _checked(value, f"${PRICE_ENV}"), "environment"
+    entry = CATALOGUE.get(instance_type)
+    if entry is None:
+        return None
+    return entry.usd_per_hour, f"catalogue {entry.as_of} ({entry.source})"
+
+
+def cost_per_million_tokens(
+    usd_per_hour: float, tokens_per_second: float, instances: int = 1
+) -> float | None:
+    """USD per 10^6 tokens at a whole-job throughput, paying for `instances` hosts."""
+    if tokens_per_second <= 0:
+        return None
+    return usd_per_hour * instances / (tokens_per_second * 3600.0) * 1e6
+
+
+def _checked(value: float, where: str) -> float:
+    if not value > 0:
+        raise LaunchError(
+            f"The hourly price from {where} is {value}; give a positive USD figure or none at all."
+        )
+    return value

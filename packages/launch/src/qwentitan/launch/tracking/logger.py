@@ -1,0 +1,236 @@
+"""`MLflowLogger`: torchtitan's `BaseLogger` interface, backed by a spool and a background writer.
+
+`log(metrics, step)` renames torchtitan's keys (`names.py`), appends one spool line and hands
+the record to the writer thread; it does no network or database work, so a slow or absent
+tracking server never slows a training step. `close()` adds the summary, attaches the reports
+and waits a bounded time for MLflow to confirm.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtitan.components.metrics import BaseLogger
+from torchtitan.config import Configurable
+
+from qwentitan.launch.tracking import context, cost
+from qwentitan.launch.tracking.names import flatten_config, metric_name
+from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
+from qwentitan.launch.tracking.store import now_ms
+from qwentitan.launch.tracking.summary import RunSummary
+from qwentitan.launch.tracking.writer import BackgroundWriter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+REPORTS_FOLDER = "reports"
+
+# Loggers open in this process, so `attach_report` can reach a live run.
+_ACTIVE: list[MLflowLogger] = []
+_ACTIVE_LOCK = threading.Lock()
+
+
+def resolve_tracking_uri(configured: str | None = None) -> str:
+    """The config's URI, else `$MLFLOW_TRACKING_URI`, else `./mlflow.db` made absolute."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if uri == DEFAULT_TRACKING_URI:
+        # Absolute, so a later `cd` (or a child process) still finds the same store.
+        uri = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    return uri
+
+
+def experiment_name(recipe: str, configured: str | None = None) -> str:
+    """One experiment per recipe family: `tiny_dense` and `tiny_moe` both land in `qwentitan-tiny`."""
+    if configured:
+        return configured
+    for variable in ("QWENTITAN_MLFLOW_EXPERIMENT", "MLFLOW_EXPERIMENT_NAME"):
+        if os.environ.get(variable):
+            return os.environ[variable]
+    family = recipe.split("_", 1)[0] if recipe else "runs"
+    return f"qwentitan-{family}"
+
+
+class MLflowLogger(BaseLogger, Configurable):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        enable: bool = True
+        """Log to MLflow from the metrics rank (a spool is written either way when enabled)."""
+
+        tracking_uri: str | None = None
+        """None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
+
+        experiment: str | None = None
+        """None: $QWENTITAN_MLFLOW_EXPERIMENT / $MLFLOW_EXPERIMENT_NAME, else qwentitan-<family>."""
+
+        run_name: str | None = None
+        """None: $QWENTITAN_MLFLOW_RUN_NAME, else <recipe>-<time>."""
+
+        parent_run_id: str | None = None
+        """None: $QWENTITAN_MLFLOW_PARENT_RUN_ID (set by the pilot), else a top-level run."""
+
+        recipe: str = ""
+        """Recipe name, e.g. tiny_dense; its prefix names the experiment."""
+
+        path: str = ""
+        """Implementation path: hf, native or moe-kernels."""
+
+        price_per_hour: float | None = None
+        """USD per instance-hour; None: $QWENTITAN_PRICE_PER_HOUR, else the dated catalogue."""
+
+        close_timeout_s: float = 30.0
+        """Longest wait at the end of training for MLflow to confirm; the spool keeps the rest."""
+
+        request_timeout_s: int = 10
+        """HTTP timeout per MLflow request (a hung server costs the writer thread this, never training)."""
+
+        retry_after_s: float = 60.0
+        """After a failure, how long the writer waits before catching up from the spool."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        run_dir: str | os.PathLike[str],
+        config_dict: dict[str, Any] | None = None,
+        tags: dict[str, str] | None = None,
+        world_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir).resolve()
+        self.world_size = world_size
+        self.instances = context.nodes()
+        self.tracking_uri = resolve_tracking_uri(config.tracking_uri)
+        self.run_key = uuid.uuid4().hex
+        self.summary = RunSummary()
+        self._closed = False
+        self._attached: set[Path] = set()
+        self._last_step = 0
+        all_tags = {
+            "recipe": config.recipe or "unknown",
+            "path": config.path or "unknown",
+            "instance_type": context.instance_type(),
+            "world_size": str(world_size),
+            "git_commit": context.git_commit(),
+            **context.package_versions(),
+            **(tags or {}),
+        }
+        all_tags["mlflow.source.git.commit"] = all_tags["git_commit"]
+        price = cost.hourly_price(all_tags["instance_type"], config.price_per_hour)
+        self.usd_per_hour = price[0] if price else None
+        if price:
+            all_tags["cost.usd_per_hour"] = f"{price[0]:g}"
+            all_tags["cost.price_source"] = price[1]
+
+        # Bounded HTTP waits for the writer thread; a user's own settings win.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(config.request_timeout_s))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.spool = SpoolWriter(self.run_dir / SPOOL_FOLDER / f"{stamp}-{self.run_key[:8]}.jsonl")
+        self.spool.write(
+            "run",
+            run_key=self.run_key,
+            experiment=experiment_name(config.recipe, config.experiment),
+            run_name=config.run_name
+            or os.environ.get("QWENTITAN_MLFLOW_RUN_NAME")
+            or f"{config.recipe or 'run'}-{stamp}",
+            parent_run_id=config.parent_run_id or os.environ.get("QWENTITAN_MLFLOW_PARENT_RUN_ID"),
+            tracking_uri=self.tracking_uri,
+            start_ms=now_ms(),
+        )
+        self.writer = BackgroundWriter(
+            self.tracking_uri, self.spool.path, self.run_dir, retry_after_s=config.retry_after_s
+        )
+        self._emit("params", params=flatten_config(config_dict or {}))
+        self._emit("tags", tags=all_tags)
+        if config_dict is not None:
+            resolved = self.spool.path.with_suffix("") / "resolved_config.json"
+            _write_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
+            self.attach(resolved, "config")
+        self.writer.start()
+        with _ACTIVE_LOCK:
+            _ACTIVE.append(self)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        values = {}
+        for key, value in metrics.items():
+            number = float(value)
+            # A metric with no meaning here (MFU where the platform has no known peak) is NaN.
+            if math.isfinite(number):
+                values[metric_name(key)] = number
+        if "tokens_per_second_per_device" in values:
+            values["tokens_per_second"] = values["tokens_per_second_per_device"] * self.world_size
+        self.summary.observe(step, values)
+        self._last_step = max(self._last_step, step)
+        self._emit("metrics", step=step, time_ms=now_ms(), values=values)
+
+    def attach(self, file: str | os.PathLike[str], artifact_path: str = REPORTS_FOLDER) -> None:
+        """Upload `file` (inside the run folder) as an artifact of this run, once."""
+        path = Path(file).resolve()
+        if path in self._attached or self._closed:
+            return
+        self._attached.add(path)
+        self._emit(
+            "artifact", file=os.path.relpath(path, self.run_dir), artifact_path=artifact_path
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with _ACTIVE_LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+        summary = self.summary.metrics(self.usd_per_hour, self.instances)
+        if summary:
+            self._emit("metrics", step=self._last_step, time_ms=now_ms(), values=summary)
+        for report in sorted((self.run_dir / REPORTS_FOLDER).glob("*")):
+            if report.is_file():
+                self.attach(report)
+        self._emit("end", status="FINISHED", end_ms=now_ms())
+        self._closed = True
+        confirmed = self.writer.finish(self.config.close_timeout_s)
+        self.spool.close()
+        if confirmed:
+            log.info("MLflow run %s logged to %s", self.writer.run_id, self.tracking_uri)
+        elif self.writer.error is not None:
+            log.warning(
+                "MLflow at %s could not be reached; every metric is in %s. Replay it with "
+                "`qwentitan-launch sync-mlflow %s`.",
+                self.tracking_uri,
+                self.spool.path,
+                self.run_dir,
+            )
+        else:
+            log.warning(
+                "MLflow at %s did not confirm this run within %.0f s; everything is in %s. "
+                "Replay it with `qwentitan-launch sync-mlflow %s`.",
+                self.tracking_uri,
+                self.config.close_timeout_s,
+                self.spool.path,
+                self.run_dir,
+            )
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        self.writer.send(self.spool.write(kind, **fields))
+
+
+def active_loggers() -> list[MLflowLogger]:
+    with _ACTIVE_LOCK:
+        return list(_ACTIVE)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(path)

@@ -1,0 +1,160 @@
+"""`TrackedMetrics`: torchtitan's `MetricsProcessor` with MLflow added at its logger seam.
+
+A recipe opts in with `metrics=TrackedMetrics.Config(mlflow=MLflowLogger.Config(recipe=...,
+path=...))`. The processor adds an `MLflowLogger` to torchtitan's `LoggerContainer` on the
+metrics rank only (the one torchtitan picks: rank 0, or the last pipeline stage's first rank),
+logs every step by default, and adds what torchtitan leaves out: process RSS, and MFU from the
+platform's peak, with no MFU at all where no peak is known (CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from torchtitan.components.metrics import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    _get_metrics_rank,
+)
+from torchtitan.distributed import ParallelDims
+
+from qwentitan.launch.tracking import context
+from qwentitan.launch.tracking.logger import MLflowLogger
+
+_GIB = 1024**3
+
+
+class TrackedMetrics(MetricsProcessor):
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        log_freq: int = 1
+        """Every step, so MLflow holds one point per step for each metric."""
+
+        mlflow: MLflowLogger.Config = field(default_factory=MLflowLogger.Config)
+
+        peak_flops: float | None = None
+        """Peak FLOP/s per rank for MFU; None asks the platform (none on CPU: MFU not logged)."""
+
+        platform: str | None = None
+        """Platform name for the tags (cpu, cuda, neuron); None: the device torchtitan uses."""
+
+    config: Config
+    mlflow: MLflowLogger | None
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        self.mlflow = None
+        super().__init__(config, **kwargs)
+        peak = config.peak_flops if config.peak_flops is not None else _platform_peak_flops()
+        if peak is None and _platform_name(config.platform) == "cuda":
+            peak = self.gpu_peak_flops  # torchtitan's own table knows the NVIDIA parts
+        # torchtitan divides by this; NaN makes MFU NaN, which MLflowLogger leaves out.
+        self.gpu_peak_flops = peak if peak else math.nan
+        self._process = psutil.Process()
+
+    def _build_metric_logger(
+        self,
+        *,
+        config: Config,
+        parallel_dims: ParallelDims,
+        dump_folder: str,
+        pp_schedule: str,
+        config_dict: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> BaseLogger:
+        built = super()._build_metric_logger(
+            config=config,
+            parallel_dims=parallel_dims,
+            dump_folder=dump_folder,
+            pp_schedule=pp_schedule,
+            config_dict=config_dict,
+            **kwargs,
+        )
+        if not config.mlflow.enable or _rank() != _get_metrics_rank(
+            parallel_dims=parallel_dims, pp_schedule=pp_schedule
+        ):
+            return built
+        container = built if isinstance(built, LoggerContainer) else LoggerContainer()
+        self.mlflow = config.mlflow.build(
+            run_dir=dump_folder,
+            config_dict=config_dict,
+            tags=_run_tags(config, parallel_dims, config_dict or {}),
+            world_size=parallel_dims.world_size,
+        )
+        container.add_logger(self.mlflow)
+        return container
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        extra = dict(extra_metrics or {})
+        if self.mlflow is not None:
+            extra["memory/rss_gib"] = self._process.memory_info().rss / _GIB
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _platform():
+    """qwentitan's platform object (one place decides the platform), if that layer is present."""
+    try:
+        from qwentitan.launch.platforms import current_platform
+    except ImportError:
+        return None
+    return current_platform()
+
+
+def _platform_name(configured: str | None) -> str:
+    if configured:
+        return configured
+    platform = _platform()
+    if platform is not None:
+        return platform.name
+    from torchtitan.tools.utils import device_type
+
+    return device_type
+
+
+def _platform_peak_flops() -> float | None:
+    """Peak per rank from qwentitan's platform layer; None where unknown (CPU)."""
+    platform = _platform()
+    return platform.peak_flops if platform is not None else None
+
+
+def tracked_metrics(recipe: str, path: str, **metrics: Any) -> TrackedMetrics.Config:
+    """The metrics config a recipe sets: every step to the console and to MLflow.
+
+    `$QWENTITAN_MLFLOW=off` turns MLflow off (the console metrics stay), e.g. for tests.
+    """
+    enable = os.environ.get("QWENTITAN_MLFLOW", "on").lower() not in ("0", "off", "false", "no")
+    return TrackedMetrics.Config(
+        mlflow=MLflowLogger.Config(enable=enable, recipe=recipe, path=path), **metrics
+    )
+
+
+def _run_tags(
+    config: TrackedMetrics.Config, parallel_dims: ParallelDims, config_dict: dict[str, Any]
+) -> dict[str, str]:
+    platform = _platform_name(config.platform)
+    spec = config_dict.get("model_spec") or {}
+    tags = {
+        "platform": platform,
+        "lnc": context.logical_core_config(platform),
+        "flavor": str(spec.get("flavor", "unknown")) if isinstance(spec, dict) else "unknown",
+        "model": str(spec.get("name", "unknown")) if isinstance(spec, dict) else "unknown",
+    }
+    for degree in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
+        tags[f"parallel.{degree}"] = str(getattr(parallel_dims, degree))
+    return tags

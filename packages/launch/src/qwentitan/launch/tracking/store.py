@@ -1,0 +1,172 @@
+"""The MLflow side of tracking: find-or-create a run by its key, log to it, replay a spool.
+
+Used by the background writer during training and by `sync-mlflow` afterwards. A run is
+found by its `qwentitan.run_key` tag, never by name, so replaying a spool twice (or after a
+live session that got half-way) adds each metric point, parameter and artifact at most once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RUN_KEY_TAG = "qwentitan.run_key"
+PARENT_TAG = "mlflow.parentRunId"
+
+# MLflow's log_batch limits (mlflow.utils.validation.MAX_METRICS_PER_BATCH and friends).
+_METRICS_PER_BATCH = 1000
+_PARAMS_PER_BATCH = 100
+_TAGS_PER_BATCH = 100
+
+Point = tuple[str, float, int, int]  # key, value, time in ms, step
+
+
+class MlflowTarget:
+    """One tracking store, reached through `MlflowClient` (imported here, off the training path)."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+
+    def open_run(self, header: dict[str, Any]) -> str:
+        """The run with this spool's key, created (in its experiment, under its parent) if absent."""
+        experiment_id = self._experiment_id(header["experiment"])
+        found = self.client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{RUN_KEY_TAG}` = '{header['run_key']}'",
+            max_results=1,
+        )
+        if found:
+            return found[0].info.run_id
+        tags = {RUN_KEY_TAG: header["run_key"]}
+        if header.get("parent_run_id"):
+            tags[PARENT_TAG] = header["parent_run_id"]
+        run = self.client.create_run(
+            experiment_id,
+            start_time=header.get("start_ms"),
+            tags=tags,
+            run_name=header.get("run_name"),
+        )
+        return run.info.run_id
+
+    def _experiment_id(self, name: str) -> str:
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except Exception:
+            # Another process created it between our lookup and create_experiment.
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
+
+    def log(
+        self,
+        run_id: str,
+        points: Sequence[Point] = (),
+        params: dict[str, str] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        metrics = [Metric(k, float(v), int(t), int(s)) for k, v, t, s in points]
+        for start in range(0, len(metrics), _METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=metrics[start : start + _METRICS_PER_BATCH])
+        param_list = [Param(k, v) for k, v in (params or {}).items()]
+        for start in range(0, len(param_list), _PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=param_list[start : start + _PARAMS_PER_BATCH])
+        tag_list = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        for start in range(0, len(tag_list), _TAGS_PER_BATCH):
+            self.client.log_batch(run_id, tags=tag_list[start : start + _TAGS_PER_BATCH])
+
+    def log_artifact(self, run_id: str, file: Path, artifact_path: str) -> None:
+        self.client.log_artifact(run_id, str(file), artifact_path)
+
+    def end(self, run_id: str, status: str, end_ms: int | None) -> None:
+        self.client.set_terminated(run_id, status=status, end_time=end_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    run_id: str
+    points_added: int
+    points_present: int
+    params_added: int
+    artifacts_added: int
+    last_seq: int
+
+
+def replay(target: MlflowTarget, records: Sequence[dict[str, Any]], base: Path) -> Replayed:
+    """Send a spool's records to `target`, skipping whatever the run already holds."""
+    header = records[0]
+    run_id = target.open_run(header)
+    run = target.client.get_run(run_id)
+
+    points: dict[tuple[str, int], Point] = {}
+    params: dict[str, str] = {}
+    tags: dict[str, str] = {}
+    artifacts: list[tuple[Path, str]] = []
+    end: dict[str, Any] | None = None
+    for record in records[1:]:
+        kind = record["kind"]
+        if kind == "metrics":
+            for key, value in record["values"].items():
+                points[(key, record["step"])] = (key, value, record["time_ms"], record["step"])
+        elif kind == "params":
+            params.update(record["params"])
+        elif kind == "tags":
+            tags.update(record["tags"])
+        elif kind == "artifact":
+            artifacts.append((_resolve(base, record["file"]), record["artifact_path"]))
+        elif kind == "end":
+            end = record
+
+    present = _present_points(target, run_id, {key for key, _ in points})
+    missing = [point for where, point in points.items() if where not in present]
+    new_params = {k: v for k, v in params.items() if k not in run.data.params}
+    target.log(run_id, missing, new_params, tags)
+    added = 0
+    for file, artifact_path in artifacts:
+        if file.is_file() and not _has_artifact(target, run_id, artifact_path, file.name):
+            target.log_artifact(run_id, file, artifact_path)
+            added += 1
+    if end is not None:
+        target.end(run_id, end["status"], end.get("end_ms"))
+    return Replayed(
+        run_id=run_id,
+        points_added=len(missing),
+        points_present=len(points) - len(missing),
+        params_added=len(new_params),
+        artifacts_added=added,
+        last_seq=records[-1]["seq"],
+    )
+
+
+def _present_points(target: MlflowTarget, run_id: str, keys: Iterable[str]) -> set[tuple[str, int]]:
+    present = set()
+    for key in keys:
+        for metric in target.client.get_metric_history(run_id, key):
+            present.add((key, metric.step))
+    return present
+
+
+def _has_artifact(target: MlflowTarget, run_id: str, artifact_path: str, name: str) -> bool:
+    listed = target.client.list_artifacts(run_id, artifact_path or None)
+    wanted = f"{artifact_path}/{name}" if artifact_path else name
+    return any(info.path == wanted for info in listed)
+
+
+def _resolve(base: Path, file: str) -> Path:
+    path = Path(file)
+    return path if path.is_absolute() else base / path
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,244 @@
+"""MLflow tracking without a trainer: the logger, its spool, the writer thread, sync-mlflow."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.utils.validation import validate_param_and_metric_name
+
+from qwentitan.launch.cli import main as launch_main
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.tracking import MLflowLogger, attach_report, cost_per_million_tokens
+from qwentitan.launch.tracking.cost import hourly_price
+from qwentitan.launch.tracking.names import flatten_config, metric_name
+from qwentitan.launch.tracking.spool import read_spool
+
+# The keys torchtitan 0.3.0's MetricsProcessor.log / log_validation and Trainer.train_step emit.
+TORCHTITAN_KEYS = [
+    "loss_metrics/global_avg_loss",
+    "loss_metrics/global_max_loss",
+    "grad_norm",
+    "throughput(tps)",
+    "tflops",
+    "time_metrics/end_to_end(s)",
+    "time_metrics/data_loading(s)",
+    "time_metrics/data_loading(%)",
+    "memory/max_active(GiB)",
+    "memory/max_active(%)",
+    "memory/max_reserved(GiB)",
+    "memory/max_reserved(%)",
+    "memory/num_alloc_retries",
+    "memory/num_ooms",
+    "mfu(%)",
+    "n_tokens_seen",
+    "lr",
+    "validation_metrics/loss",
+    "validation_metrics/memory/max_reserved(GiB)",
+]
+STEPS = 6
+
+
+def step_metrics(step: int) -> dict[str, float]:
+    metrics = {key: float(step) for key in TORCHTITAN_KEYS if not key.startswith("validation")}
+    metrics["loss_metrics/global_avg_loss"] = 10.0 / step
+    metrics["throughput(tps)"] = 1000.0 + step
+    metrics["time_metrics/end_to_end(s)"] = 5.0 if step == 1 else 0.5
+    metrics["mfu(%)"] = math.nan  # what TrackedMetrics produces on a platform with no peak
+    return metrics
+
+
+def train_with(logger: MLflowLogger, steps: int = STEPS) -> None:
+    for step in range(1, steps + 1):
+        logger.log(step_metrics(step), step)
+
+
+def make_logger(run_dir: Path, uri: str, **config) -> MLflowLogger:
+    return MLflowLogger.Config(
+        tracking_uri=uri, recipe="tiny_dense", path="native", **config
+    ).build(
+        run_dir=run_dir,
+        config_dict={"training": {"steps": STEPS, "seq_len": 64}, "model_spec": {"flavor": "t"}},
+        tags={"platform": "cpu", "flavor": "t"},
+        world_size=2,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sqlite_uri(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+
+
+def test_every_torchtitan_metric_gets_a_valid_distinct_mlflow_name():
+    names = [metric_name(key) for key in TORCHTITAN_KEYS]
+    assert all(validate_param_and_metric_name(name) for name in names), names
+    assert len(set(names)) == len(names)
+    assert metric_name("loss_metrics/global_avg_loss") == "loss"
+    assert metric_name("mfu(%)") == "mfu_percent"
+
+
+def test_config_is_flattened_into_params():
+    flat = flatten_config({"training": {"steps": 3, "lr": {"warmup": 2}}, "empty": {}, "x": None})
+    assert flat == {"training.steps": "3", "training.lr.warmup": "2", "empty": "{}", "x": "None"}
+
+
+def test_one_run_with_one_point_per_step_summary_params_tags_and_config(tmp_path, sqlite_uri):
+    logger = make_logger(tmp_path / "run", sqlite_uri)
+    train_with(logger)
+    logger.close()
+
+    client = MlflowClient(sqlite_uri)
+    experiment = client.get_experiment_by_name("qwentitan-tiny")
+    (run,) = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.recipe = 'tiny_dense' and attributes.run_id = '{logger.writer.run_id}'",
+    )
+    assert run.info.status == "FINISHED"
+    for key in ("loss", "grad_norm", "tokens_per_second", "step_time_s", "memory/max_reserved_gib"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), key
+    assert "mfu_percent" not in run.data.metrics  # no peak known: no MFU rather than a wrong one
+    metrics = run.data.metrics
+    assert metrics["summary/first_loss"] == 10.0
+    assert metrics["summary/final_loss"] == pytest.approx(10.0 / STEPS)
+    assert metrics["summary/warmup_time_s"] == 5.0
+    assert metrics["summary/sustained_step_time_s"] == 0.5
+    # median of steps 2..6 of (1000 + step) per device, times 2 ranks
+    assert metrics["summary/sustained_tokens_per_second"] == 2 * 1004.0
+    assert run.data.params["training.steps"] == str(STEPS)
+    tags = run.data.tags
+    assert tags["recipe"] == "tiny_dense" and tags["path"] == "native"
+    assert tags["platform"] == "cpu" and tags["world_size"] == "2"
+    assert tags["version.torchtitan"] == "0.3.0" and tags["version.qwentitan-launch"]
+    assert tags["version.torch-neuronx"] == "absent"
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "config")]
+    assert artifacts == ["config/resolved_config.json"]
+
+
+def test_cost_per_million_tokens_from_catalogue_override_or_nothing(monkeypatch):
+    monkeypatch.delenv("QWENTITAN_PRICE_PER_HOUR", raising=False)
+    assert hourly_price("trn2.48xlarge")[0] > 0
+    assert hourly_price("local") is None
+    monkeypatch.setenv("QWENTITAN_PRICE_PER_HOUR", "36")
+    assert hourly_price("local") == (36.0, "environment")
+    assert hourly_price("local", override=72.0) == (72.0, "config")
+    # 36 USD/h at 10,000 tokens/s: 36 / 36e6 tokens * 1e6 = 1 USD per million tokens
+    assert cost_per_million_tokens(36.0, 10_000.0) == pytest.approx(1.0)
+    assert cost_per_million_tokens(36.0, 10_000.0, instances=2) == pytest.approx(2.0)
+    monkeypatch.setenv("QWENTITAN_PRICE_PER_HOUR", "cheap")
+    with pytest.raises(LaunchError, match="not a number"):
+        hourly_price("local")
+
+
+def test_priced_run_logs_cost_and_unpriced_run_does_not(tmp_path, sqlite_uri, monkeypatch):
+    monkeypatch.delenv("QWENTITAN_PRICE_PER_HOUR", raising=False)
+    priced = make_logger(tmp_path / "priced", sqlite_uri, price_per_hour=36.0)
+    unpriced = make_logger(tmp_path / "unpriced", sqlite_uri)
+    for logger in (priced, unpriced):
+        train_with(logger)
+        logger.close()
+    client = MlflowClient(sqlite_uri)
+    cost = client.get_run(priced.writer.run_id).data.metrics["summary/cost_usd_per_million_tokens"]
+    assert cost == pytest.approx(36.0 / (2 * 1004.0 * 3600) * 1e6)
+    assert (
+        "summary/cost_usd_per_million_tokens"
+        not in client.get_run(unpriced.writer.run_id).data.metrics
+    )
+
+
+def test_reports_attach_to_a_live_run(tmp_path, sqlite_uri):
+    run_dir = tmp_path / "run"
+    logger = make_logger(run_dir, sqlite_uri)
+    train_with(logger, 2)
+    attach_report(run_dir, "preflight", {"ok": True, "checks": ["versions"]})
+    logger.close()
+    client = MlflowClient(sqlite_uri)
+    (report,) = client.list_artifacts(logger.writer.run_id, "reports")
+    assert report.path == "reports/preflight.json"
+    with pytest.raises(LaunchError, match="plain file name"):
+        attach_report(run_dir, "../escape", {})
+
+
+class HungServer:
+    """Accepts connections and never answers: the slowest tracking server there is."""
+
+    def __init__(self) -> None:
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.accepted.append(self.socket.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for connection in self.accepted:
+            connection.close()
+        self.socket.close()
+
+
+def test_a_hung_server_never_holds_up_a_training_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "600")  # longer than this test may run
+    server = HungServer()
+    try:
+        logger = make_logger(tmp_path / "run", server.uri, close_timeout_s=1.0)
+        deadline = time.monotonic() + 60
+        while not server.accepted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.accepted, "the writer thread never tried the server"
+        train_with(logger)  # would hang for 600 s per request if log() waited on MLflow
+        logger.close()  # bounded by close_timeout_s
+        assert logger.writer.run_id is None  # the server never answered anything
+        steps = [r["step"] for r in read_spool(logger.spool.path) if r["kind"] == "metrics"]
+        assert steps[:STEPS] == list(range(1, STEPS + 1))
+    finally:
+        server.close()
+
+
+def test_sync_mlflow_names_a_missing_folder_in_one_sentence(tmp_path, capsys):
+    assert launch_main(["sync-mlflow", str(tmp_path / "nowhere")]) == 2
+    error = capsys.readouterr().err
+    assert "does not exist" in error and "Traceback" not in error
+
+
+def test_a_torn_last_line_is_ignored_but_a_damaged_middle_is_reported(tmp_path):
+    spool = tmp_path / "s.jsonl"
+    lines = [json.dumps({"kind": "run", "seq": 0}), json.dumps({"kind": "end", "seq": 1})]
+    spool.write_text(lines[0] + "\n" + lines[1] + "\n" + '{"kind": "metr')
+    assert [r["kind"] for r in read_spool(spool)] == ["run", "end"]
+    spool.write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
+    with pytest.raises(LaunchError, match="Line 2"):
+        read_spool(spool)
+
+
+def test_recipes_get_tracking_per_step_and_an_off_switch(monkeypatch):
+    from qwentitan.launch.tracking import TrackedMetrics, tracked_metrics
+    from qwentitan.launch.tracking.logger import experiment_name
+
+    monkeypatch.delenv("QWENTITAN_MLFLOW", raising=False)
+    config = tracked_metrics("tiny_moe", "native")
+    assert isinstance(config, TrackedMetrics.Config) and config.log_freq == 1
+    assert config.mlflow.enable and config.mlflow.recipe == "tiny_moe"
+    monkeypatch.setenv("QWENTITAN_MLFLOW", "off")
+    assert not tracked_metrics("tiny_moe", "native").mlflow.enable
+    monkeypatch.delenv("QWENTITAN_MLFLOW_EXPERIMENT", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert experiment_name("tiny_moe") == experiment_name("tiny_dense") == "qwentitan-tiny"
+    monkeypatch.setenv("QWENTITAN_MLFLOW_EXPERIMENT", "mine")
+    assert experiment_name("tiny_moe") == "mine"
