@@ -16,7 +16,9 @@ def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
         help=f"one of {', '.join(INSTANCES)} (default: trn2.48xlarge for trn2 recipes, "
         "else this host)",
     )
-    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument(
+        "--nodes", "--nnodes", dest="nodes", type=int, default=1, help="number of nodes (default 1)"
+    )
     parser.add_argument("--lnc", type=int, help="logical NeuronCore size, 1 or 2 (trn2 default 2)")
     parser.add_argument("--ranks-per-node", type=int, help="default: every logical core / GPU")
     parser.add_argument("--fsdp", type=int, help="FSDP degree (default: the remaining ranks)")
