@@ -161,8 +161,13 @@ def estimate_memory(
     training_dtype_bytes: int = 4,
     compute_dtype_bytes: int = 2,
     loss_chunks: int = 1,
+    fsdp: bool = True,
 ) -> MemoryEstimate:
-    """Estimate bytes per rank; `activation_checkpoint` is "none", "selective" or "full"."""
+    """Estimate bytes per rank; `activation_checkpoint` is "none", "selective" or "full".
+
+    `fsdp`: whether FSDP wraps the model (torchtitan applies it when more than one rank shards);
+    without it nothing is gathered and `compute_dtype_bytes` should be the training dtype's.
+    """
     dense_params = shape.params - shape.expert_params
     # Parameters, gradients and AdamW exp_avg / exp_avg_sq all live in the training dtype.
     state_bytes = 4 * training_dtype_bytes
@@ -171,7 +176,7 @@ def estimate_memory(
     # FSDP keeps the current and the prefetched block unsharded (compute dtype) and one block's
     # unsharded gradients (reduce dtype float32) until the reduce-scatter.
     largest = max(shape.layer_params, shape.embedding_params) / tensor_parallel
-    transient = 2 * largest * compute_dtype_bytes + largest * 4
+    transient = (2 * largest * compute_dtype_bytes + largest * 4) if fsdp else 0
 
     tokens = seq_len * local_batch
     per_layer = _layer_activation_elems(shape) * compute_dtype_bytes * tokens / tensor_parallel

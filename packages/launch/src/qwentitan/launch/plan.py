@@ -199,12 +199,27 @@ def load_config(recipe: str, overrides: list[str]) -> Any:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             return ConfigManager().parse_args(args)
     except SystemExit as exit_:
+        reason = _tyro_message(quiet.getvalue()) or "check the flag names and values"
         raise LaunchError(
-            f"torchtitan rejected the overrides {shlex.join(overrides)} for recipe {recipe!r}; "
-            "check the flag names and values."
+            f"torchtitan refused recipe {recipe!r} with {shlex.join(overrides) or 'no overrides'}: "
+            f"{reason}"
         ) from exit_
     except ValueError as error:
         raise LaunchError(f"Recipe {recipe!r} is invalid with these settings: {error}") from error
+
+
+def _tyro_message(text: str) -> str:
+    """The sentence inside tyro's error box, without the box."""
+    words: list[str] = []
+    for line in text.splitlines():
+        inner = line.strip().strip("│").strip()
+        if "───" in inner or inner.startswith("For full helptext"):
+            if words:
+                break
+            continue
+        if line.strip().startswith("│") and inner:
+            words.append(inner)
+    return " ".join(words).removeprefix("Error parsing Config: ")
 
 
 def model_shape(config: Any) -> ModelShape:
@@ -259,6 +274,9 @@ def resolve_plan(
     ):
         if value is not None:
             overrides += [flag, str(value)]
+    if topology.device_type != "cuda":
+        # CUDA graphs exist on CUDA only; torchtitan validates them (and refuses EP) otherwise.
+        overrides.append("--training.disable-cuda-graphs")
     overrides += list(extra_overrides or [])
     if activation_checkpoint is not None:
         overrides.append(
@@ -285,6 +303,13 @@ def resolve_plan(
             f"Global batch {global_batch} is not a multiple of local batch {local} x "
             f"{batch_ranks} data-parallel ranks; change --local-batch-size or --nodes."
         )
+    # torchtitan casts to the mixed-precision dtype only through fully_shard, which it applies
+    # when more than one rank shards (dp_shard x cp > 1); otherwise everything is the training dtype.
+    fsdp = degrees.data_parallel_shard * degrees.context_parallel > 1
+    training_bytes = 4 if config.training.dtype == "float32" else 2
+    compute_bytes = (
+        2 if fsdp and config.training.mixed_precision_param == "bfloat16" else training_bytes
+    )
     memory = estimate_memory(
         shape,
         seq_len=config.training.seq_len,
@@ -298,8 +323,10 @@ def resolve_plan(
         * degrees.context_parallel
         * degrees.tensor_parallel,
         tensor_parallel=degrees.tensor_parallel,
-        training_dtype_bytes=4 if config.training.dtype == "float32" else 2,
+        training_dtype_bytes=training_bytes,
+        compute_dtype_bytes=compute_bytes,
         loss_chunks=getattr(config.loss, "num_chunks", 1),
+        fsdp=fsdp,
     )
     plan = LaunchPlan(
         recipe=recipe,
