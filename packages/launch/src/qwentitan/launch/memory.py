@@ -67,6 +67,17 @@ class ModelShape:
                     return p.shape[0]
             return 0
 
+        def in_dim(*suffixes: str) -> int:
+            for n, p in first.items():
+                if n.endswith(suffixes):
+                    return p.shape[1]
+            return 0
+
+        # The attention output projection reads q_dim; torchtitan may fuse wq/wk/wv into wqkv.
+        q_dim = in_dim("wo.weight", "o_proj.weight")
+        kv_dim = out_dim("wk.weight", "k_proj.weight")
+        if not kv_dim and (fused := out_dim("wqkv.weight", "qkv_proj.weight")):
+            kv_dim = (fused - q_dim) // 2
         experts = expert_ffn = expert_params = 0
         for n, p in first.items():
             if "expert" in n and p.dim() == 3:
@@ -92,8 +103,8 @@ class ModelShape:
             layers=len(per_layer),
             hidden=hidden,
             vocab=vocab,
-            q_dim=out_dim("wq.weight", "q_proj.weight"),
-            kv_dim=out_dim("wk.weight", "k_proj.weight"),
+            q_dim=q_dim,
+            kv_dim=kv_dim,
             ffn_dim=out_dim("w1.weight", "gate_proj.weight"),
             experts=experts,
             expert_ffn_dim=expert_ffn,
