@@ -1,0 +1,141 @@
+"""Flavor <-> Hugging Face config (Qwen3Config / Qwen3MoeConfig, or a model folder's config.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+
+from qwentitan.modeling.errors import ModelingError
+from qwentitan.modeling.flavors import FLAVORS, Flavor, get_flavor
+
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def flavor_to_hf_config(flavor: str | Flavor) -> PretrainedConfig:
+    """The transformers config that builds ``flavor`` (Qwen3Config, or Qwen3MoeConfig for MoE)."""
+    f = get_flavor(flavor)
+    common: dict[str, Any] = dict(
+        vocab_size=f.vocab_size,
+        hidden_size=f.hidden_size,
+        intermediate_size=f.intermediate_size,
+        num_hidden_layers=f.num_hidden_layers,
+        num_attention_heads=f.num_attention_heads,
+        num_key_value_heads=f.num_key_value_heads,
+        head_dim=f.head_dim,
+        max_position_embeddings=f.max_position_embeddings,
+        rms_norm_eps=f.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": f.rope_theta},
+        tie_word_embeddings=f.tie_word_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+    )
+    if f.is_moe:
+        config: PretrainedConfig = Qwen3MoeConfig(
+            **common,
+            num_experts=f.num_experts,
+            num_experts_per_tok=f.num_experts_per_tok,
+            moe_intermediate_size=f.moe_intermediate_size,
+            norm_topk_prob=f.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    else:
+        config = Qwen3Config(**common)
+    config.architectures = [_ARCHITECTURES[config.model_type]]
+    return config
+
+
+def _read_config_dict(source: PretrainedConfig | Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(source, PretrainedConfig):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelingError(
+            f"No Hugging Face config at {path}; pass a model folder holding config.json."
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelingError(f"{path} is not valid JSON ({err}); fix or re-download it.") from None
+
+
+def _rope_theta(cfg: Mapping[str, Any], where: str) -> float:
+    # transformers v5 writes rope_parameters; Hub files written by v4 carry rope_theta/rope_scaling.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = (
+        params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    )
+    if rope_type != "default":
+        raise ModelingError(
+            f"{where} uses RoPE scaling {rope_type!r}, which qwentitan's Qwen3 paths do not "
+            "implement; remove rope_scaling to train at the native context length."
+        )
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def flavor_from_hf_config(
+    source: PretrainedConfig | Mapping[str, Any] | str | Path, *, name: str | None = None
+) -> Flavor:
+    """The flavor described by a transformers config, a config dict, or a model folder.
+
+    When the dimensions equal a flavor of the table, that flavor is returned (with its name);
+    otherwise a new Flavor named ``name`` (default: ``"custom"``).
+    """
+    cfg = _read_config_dict(source)
+    where = f"config {str(source)!r}" if isinstance(source, (str, Path)) else "this config"
+    model_type = cfg.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        archs = cfg.get("architectures") or [model_type]
+        raise ModelingError(
+            f"{where} describes {', '.join(map(str, archs))} (model_type {model_type!r}); "
+            f"qwentitan.modeling supports only {' and '.join(_ARCHITECTURES.values())}."
+        )
+    unsupported = {
+        "attention_bias": bool(cfg.get("attention_bias", False)),
+        "use_sliding_window": bool(cfg.get("use_sliding_window", False)),
+        "mlp_only_layers": bool(cfg.get("mlp_only_layers")),
+        "decoder_sparse_step": cfg.get("decoder_sparse_step", 1) != 1,
+        "hidden_act": cfg.get("hidden_act", "silu") != "silu",
+    }
+    if bad := [k for k, v in unsupported.items() if v]:
+        raise ModelingError(
+            f"{where} sets {', '.join(bad)} to a value the Qwen3 flavors do not use; "
+            "only standard Qwen3 / Qwen3-MoE configs are supported."
+        )
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    fields: dict[str, Any] = dict(
+        hidden_size=hidden,
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rope_theta=_rope_theta(cfg, where),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if model_type == "qwen3_moe":
+        fields.update(
+            num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        )
+    for known in FLAVORS.values():
+        if all(getattr(known, k) == v for k, v in fields.items()) and (
+            known.is_moe == (model_type == "qwen3_moe")
+        ):
+            return known if name is None else dataclasses.replace(known, name=name)
+    return Flavor(name=name or "custom", **fields)

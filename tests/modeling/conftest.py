@@ -1,0 +1,49 @@
+"""Tiny Qwen3 checkpoints written by transformers itself (save_pretrained), shared by the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from qwentitan.modeling import flavor_to_hf_config
+
+VOCAB = 151936
+
+
+def _write_checkpoint(flavor: str, folder: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(flavor_to_hf_config(flavor), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Non-trivial norms (not all ones) and router so a dropped or swapped tensor shows.
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "mlp.gate" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_checkpoint("tiny-dense", tmp_path_factory.mktemp("tiny-dense"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_checkpoint("tiny-moe", tmp_path_factory.mktemp("tiny-moe"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(7))
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of transformers' own Qwen3ForCausalLM / Qwen3MoeForCausalLM reading ``folder``."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
