@@ -23,8 +23,8 @@ from qwentitan.launch.memory import USABLE_FRACTION, MemoryEstimate, ModelShape,
 from qwentitan.launch.topology import GIB, INSTANCES, Topology, get_topology
 
 RECIPES_MODULE = "qwentitan.launch.recipes"
-# The module torchrun starts on every rank; it parses `--module/--config` like torchtitan.train.
-TRAIN_ENTRY = "qwentitan.launch.trainer"
+# torchtitan's own entry point on every rank; the recipe's Trainer.Config builds our Trainer.
+TRAIN_ENTRY = "torchtitan.train"
 DEFAULT_COMPILE_CACHE = "~/.cache/qwentitan/neuron-compile-cache"
 AC_MODES = ("none", "selective", "full")
 
@@ -243,6 +243,8 @@ def resolve_plan(
     local_batch: int | None = None,
     activation_checkpoint: str | None = None,
     steps: int | None = None,
+    dump_folder: str | None = None,
+    checkpoint_interval: int | None = None,
     extra_overrides: list[str] | None = None,
     compile_cache: str = DEFAULT_COMPILE_CACHE,
     rdzv_endpoint: str | None = None,
@@ -271,6 +273,8 @@ def resolve_plan(
         ("--parallelism.data-parallel-shard-degree", fsdp),
         ("--parallelism.tensor-parallel-degree", tp),
         ("--parallelism.expert-parallel-degree", ep),
+        ("--dump-folder", dump_folder),
+        ("--checkpoint.interval", checkpoint_interval),
     ):
         if value is not None:
             overrides += [flag, str(value)]

@@ -28,6 +28,8 @@ def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
     parser.add_argument("--local-batch-size", type=int, help="override the local batch size")
     parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing mode")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--dump-folder", help="run folder for checkpoints and logs (shared by nodes)")
+    parser.add_argument("--checkpoint-interval", type=int, help="save a checkpoint every N steps")
     parser.add_argument(
         "--compile-cache",
         default=DEFAULT_COMPILE_CACHE,
@@ -50,6 +52,8 @@ def plan_from_args(args: Any, **extra: Any) -> LaunchPlan:
         activation_checkpoint=args.ac,
         steps=args.steps,
         compile_cache=args.compile_cache,
+        dump_folder=args.dump_folder,
+        checkpoint_interval=args.checkpoint_interval,
         **extra,
     )
 

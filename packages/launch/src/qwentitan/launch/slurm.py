@@ -126,6 +126,8 @@ def _knob_args(plan: LaunchPlan) -> list[str]:
         "--training.local-batch-size": "--local-batch-size",
         "--training.steps": "--steps",
         "--parallelism.data-parallel-shard-degree": "--fsdp",
+        "--dump-folder": "--dump-folder",
+        "--checkpoint.interval": "--checkpoint-interval",
     }
     it = iter(plan.overrides)
     for word in it:
