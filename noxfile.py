@@ -90,6 +90,16 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def train(session: nox.Session) -> None:
+    """The main job: a tiny Qwen3 trained here with torchtitan, no download (`qwentitan-launch train`).
+
+    Arguments after `--` go to the command: `--recipe tiny_moe`, `--steps 80 --resume`, `--ranks 1`.
+    """
+    _sync(session, "--all-packages")
+    session.run("qwentitan-launch", "train", *session.posargs)
+
+
+@nox.session
 def train_trn2(session: nox.Session) -> None:
     """A trn2.48xlarge recipe: `-- --recipe qwen3_4b_hf|qwen3_4b_native|qwen3_moe_kernels [--dry-run]`.
 

