@@ -28,7 +28,9 @@ def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
     parser.add_argument("--local-batch-size", type=int, help="override the local batch size")
     parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing mode")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
-    parser.add_argument("--dump-folder", help="run folder for checkpoints and logs (shared by nodes)")
+    parser.add_argument(
+        "--dump-folder", help="run folder for checkpoints and logs (shared by nodes)"
+    )
     parser.add_argument("--checkpoint-interval", type=int, help="save a checkpoint every N steps")
     parser.add_argument(
         "--compile-cache",

@@ -16,6 +16,8 @@ Local folders (a trn2 host has them on its own disk; nothing is downloaded at ru
 from __future__ import annotations
 
 import os
+from dataclasses import fields
+from pathlib import Path
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -23,7 +25,6 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
 from qwentitan.launch.trainer import Trainer
@@ -34,11 +35,14 @@ __all__ = ["TRN2_RECIPES", "qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"
 
 
 def qwen3_4b_folder() -> str:
-    return os.environ.get("QWENTITAN_QWEN3_4B_DIR", "./assets/hf/Qwen3-4B-Instruct-2507")
+    # Absolute: torchtitan requires it for `initial_load_path`.
+    folder = os.environ.get("QWENTITAN_QWEN3_4B_DIR", "./assets/hf/Qwen3-4B-Instruct-2507")
+    return str(Path(folder).expanduser().resolve())
 
 
 def qwen3_30b_a3b_folder() -> str:
-    return os.environ.get("QWENTITAN_QWEN3_30B_A3B_DIR", "./assets/hf/Qwen3-30B-A3B")
+    folder = os.environ.get("QWENTITAN_QWEN3_30B_A3B_DIR", "./assets/hf/Qwen3-30B-A3B")
+    return str(Path(folder).expanduser().resolve())
 
 
 def _model_spec(flavor: str, path: str):
@@ -50,13 +54,14 @@ def _model_spec(flavor: str, path: str):
 
 def _ours(config) -> Trainer.Config:
     """Re-home a torchtitan Trainer.Config as ours (platform glue, preemption, early stop)."""
-    return Trainer.Config(**{name: getattr(config, name) for name in config.__dataclass_fields__})
+    return Trainer.Config(**{f.name: getattr(config, f.name) for f in fields(config) if f.init})
 
 
-def _loss(spec) -> ChunkedLossWrapper.Config:
-    return ChunkedLossWrapper.Config(
-        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
-    )
+def _loss(flavor: str) -> ChunkedLossWrapper.Config:
+    from qwentitan.modeling import get_flavor
+
+    vocab = get_flavor(flavor).vocab_size
+    return ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab))
 
 
 def qwen3_4b_hf() -> Trainer.Config:
@@ -70,7 +75,7 @@ def qwen3_4b_hf() -> Trainer.Config:
     return Trainer.Config(
         model_spec=spec,
         hf_assets_path=folder,
-        loss=_loss(spec),
+        loss=_loss("qwen3-4b"),
         metrics=MetricsProcessor.Config(log_freq=1),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),
         training=TrainingConfig(local_batch_size=1, seq_len=4096, steps=10, dtype="float32"),
@@ -93,9 +98,8 @@ def qwen3_4b_hf() -> Trainer.Config:
 def qwen3_4b_native() -> Trainer.Config:
     """torchtitan's Qwen3 from its own 32B recipe, overridden to the 4B flavor, global batch 64."""
     config = _ours(torchtitan_qwen3.qwen3_32b())
-    spec = _model_spec("qwen3-4b", "native")
-    config.model_spec = spec
-    config.loss = _loss(spec)
+    config.model_spec = _model_spec("qwen3-4b", "native")
+    config.loss = _loss("qwen3-4b")
     config.hf_assets_path = qwen3_4b_folder()
     config.training.local_batch_size = 1
     config.training.global_batch_size = 64
@@ -106,9 +110,8 @@ def qwen3_moe_kernels() -> Trainer.Config:
     """Qwen3-30B-A3B cut to 4 layers (64 experts, top-4) in eager mode with qwentitan's custom
     ops for experts, attention and RoPE (NKI on Trainium, reference twins elsewhere)."""
     config = _ours(torchtitan_qwen3.qwen3_30b_a3b())
-    spec = _model_spec("qwen3-30b-a3b-4l", "moe-kernels")
-    config.model_spec = spec
-    config.loss = _loss(spec)
+    config.model_spec = _model_spec("qwen3-30b-a3b-4l", "moe-kernels")
+    config.loss = _loss("qwen3-30b-a3b-4l")
     config.hf_assets_path = qwen3_30b_a3b_folder()
     config.compile = CompileConfig(enable=False)  # eager: the custom ops run as they are
     config.training.local_batch_size = 1
