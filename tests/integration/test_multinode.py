@@ -54,7 +54,8 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 def logged_steps(text: str) -> list[int]:
     """Step numbers of torchtitan's per-step metric lines ("step:  3  loss: ...")."""
-    return [int(m.group(1)) for m in re.finditer(r"step:\s*(\d+)\s+loss", text)]
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)  # torchtitan colours its metric lines
+    return [int(m.group(1)) for m in re.finditer(r"(?<!validate )step:\s*(\d+)\s+loss", plain)]
 
 
 def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):

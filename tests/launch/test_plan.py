@@ -46,7 +46,8 @@ def test_two_nodes_double_the_world_and_add_efa():
     assert p.world_size == 128 and p.degrees.data_parallel_shard == 128
     assert p.env["FI_PROVIDER"] == "efa"
     args = p.torchrun_args()
-    assert "--nnodes=2" in args and "--nproc-per-node=64" in args and "--node-rank=1" in args
+    assert "--nnodes=2" in args and "--nproc-per-node=64" in args
+    assert "--rdzv-id=qwentitan-qwen3_debugmodel" in args
     assert "--rdzv-backend=c10d" in args and "--rdzv-endpoint=head:29500" in args
 
 

@@ -99,7 +99,9 @@ class LaunchPlan:
             f"--max-restarts={self.max_restarts}",
         ]
         if self.nodes > 1:
-            args += [f"--node-rank={self.node_rank}", f"--rdzv-id=qwentitan-{self.recipe}"]
+            # c10d assigns ranks in join order (torchrun ignores --node-rank with it); the id
+            # keeps two jobs on one endpoint apart.
+            args.append(f"--rdzv-id=qwentitan-{self.recipe}")
         args += ["--local-ranks-filter=0", "--role=rank", "--tee=3", "-m", TRAIN_ENTRY]
         return args + self.trainer_args()
 
