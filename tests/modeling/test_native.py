@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.moe import GroupedExperts
-from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3 import parallelize_qwen3, qwen3_configs
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from qwentitan.modeling import ModelingError, get_flavor, model_spec
@@ -134,3 +134,33 @@ def test_moe_kernels_without_the_kernels_package_names_the_install(monkeypatch):
 def test_folder_of_another_flavor_is_refused(tiny_dense_folder):
     with pytest.raises(ModelingError, match=r"is 'tiny-dense', not flavor 'tiny-moe'"):
         model_spec("tiny-moe", "native", hf_folder=tiny_dense_folder)
+
+
+TORCHTITAN_FLAVORS = {
+    "qwen3-0.6b": "0.6B",
+    "qwen3-1.7b": "1.7B",
+    "qwen3-4b": "4B",
+    "qwen3-8b": "8B",
+    "qwen3-14b": "14B",
+    "qwen3-32b": "32B",
+    "qwen3-30b-a3b": "30B-A3B",
+    "qwen3-235b-a22b": "235B-A22B",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCHTITAN_FLAVORS))
+def test_published_flavors_build_torchtitans_own_qwen3(name):
+    ours = model_spec(name).model
+    theirs = qwen3_configs[TORCHTITAN_FLAVORS[name]](attn_backend="flex")
+    with torch.device("meta"):
+        ours_model, theirs_model = ours.build(), theirs.build()
+    shapes = [{k: v.shape for k, v in m.named_parameters()} for m in (ours_model, theirs_model)]
+    assert shapes[0] == shapes[1]
+    # the one buffer difference: no learned routing bias (see native.py)
+    assert not any("expert_bias" in k for k, _ in ours_model.named_buffers())
+    assert ours.enable_weight_tying == theirs.enable_weight_tying
+    ours_attn, theirs_attn = ours.layers[0].attention, theirs.layers[0].attention
+    assert ours_attn.rope.max_seq_len == theirs_attn.rope.max_seq_len
+    # torchtitan took 235B-A22B's theta from the 2507 release (see flavors.py)
+    expected_theta = 1e6 if name == "qwen3-235b-a22b" else theirs_attn.rope.theta
+    assert ours_attn.rope.theta == expected_theta

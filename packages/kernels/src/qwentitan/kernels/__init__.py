@@ -2,6 +2,26 @@
 
 from importlib.metadata import version as _version
 
+from qwentitan.kernels.attention import causal_attention
+from qwentitan.kernels.errors import KernelError
+from qwentitan.kernels.experts import block_routing, grouped_experts, num_blocks
+from qwentitan.kernels.numerics import NumericsReport, numerics_report
+from qwentitan.kernels.registry import ReplacementRule, apply_replacements, config_paths
+from qwentitan.kernels.rope import rope
+
 __version__ = _version("qwentitan-kernels")
 
-__all__ = ["__version__"]
+__all__ = [
+    "KernelError",
+    "NumericsReport",
+    "ReplacementRule",
+    "__version__",
+    "apply_replacements",
+    "block_routing",
+    "causal_attention",
+    "config_paths",
+    "grouped_experts",
+    "num_blocks",
+    "numerics_report",
+    "rope",
+]

@@ -13,7 +13,6 @@ This module adds only what torchtitan 0.3.0 lacks, one place each:
 - `use_platform()`: point torchtitan at the platform's device module. With no accelerator
   torchtitan falls back to "cuda" (`tools/utils.py: get_device_info`), and several of its modules
   copied that choice at import time.
-- `use_platform_attention()`: SDPA where FlexAttention cannot train (no CPU backward).
 - `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
 - `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
   the preemption signals the launcher adds), so `--resume` continues exactly.
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
-from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.tools.logging import logger
 
 from qwentitan.launch.platforms import Platform, current_platform
@@ -37,7 +35,6 @@ __all__ = [
     "Trainer",
     "force_sum_reduction",
     "use_platform",
-    "use_platform_attention",
 ]
 
 
@@ -60,22 +57,6 @@ def use_platform(platform: Platform) -> None:
             for key, value in stale.items():
                 if key in namespace and namespace[key] is value:
                     namespace[key] = fresh[key]
-
-
-def use_platform_attention(config: torchtitan_trainer.Trainer.Config, platform: Platform) -> None:
-    """Swap FlexAttention for SDPA where the platform cannot train with FlexAttention.
-
-    FlexAttention has no CPU backward and needs Inductor, which Neuron does not have. SDPA is
-    causal over the whole packed window, so a token may attend to the end of the previous
-    document in the same window; RoPE positions still restart at each document.
-    """
-    if platform.attention != "sdpa" or config.model_spec is None:
-        return
-    for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
-        if isinstance(parent, list):
-            parent[attr] = ScaledDotProductAttention.Config()
-        elif parent is not None:
-            setattr(parent, attr, ScaledDotProductAttention.Config())
 
 
 def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
@@ -109,7 +90,6 @@ class Trainer(torchtitan_trainer.Trainer):
     def __init__(self, config: Config) -> None:
         self.platform = current_platform()
         use_platform(self.platform)
-        use_platform_attention(config, self.platform)
         # Installed before the model is built: a preemption during start-up is then honoured at
         # the first step boundary instead of killing the rank without a checkpoint.
         self.preemption = PreemptionWatch().install()

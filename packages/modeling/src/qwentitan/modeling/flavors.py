@@ -69,7 +69,9 @@ def _moe(name: str, repo: str | None, **dims: object) -> Flavor:
 
 
 # Dimensions from each model's config.json on the Hub (Qwen/Qwen3-*), the same numbers
-# torchtitan's own qwen3 flavor table uses.
+# torchtitan's own qwen3 flavor table uses, with one exception: torchtitan gives 235B-A22B
+# rope theta 5e6, the value of the later Qwen3-235B-A22B-*-2507 releases; the Qwen3-235B-A22B
+# this flavor names (32K native context, YaRN to 128K) uses 1e6 like every other Qwen3.
 _30B_A3B = _moe(
     "qwen3-30b-a3b",
     "Qwen/Qwen3-30B-A3B",

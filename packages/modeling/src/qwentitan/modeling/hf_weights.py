@@ -49,6 +49,11 @@ def hub_to_memory(hub: Mapping[str, torch.Tensor], flavor: Flavor) -> dict[str, 
             experts.setdefault(prefix, {}).setdefault(proj, {})[expert] = value
         else:
             out[key] = value
+    if experts and not flavor.is_moe:
+        raise ModelingError(
+            f"The checkpoint holds MoE experts but flavor {flavor.name!r} is dense; pass the "
+            "MoE flavor it was saved from."
+        )
     for prefix, projs in experts.items():
         stacked = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):

@@ -1,9 +1,11 @@
 """The offline corpus: English text every Python installation carries, so training needs no download.
 
-Documents, in a fixed order: each topic of the interpreter's own help (`pydoc_data.topics`, the
-text behind `help("if")`), then, per top-level standard-library module in name order, its
-docstrings (module, classes, functions) read from source with `ast`, so nothing is imported.
-The same interpreter always yields the same bytes; the build is cached by Python version.
+Documents: each topic of the interpreter's own help (`pydoc_data.topics`, the text behind
+`help("if")`) and each docstring (module, class, function) of the top-level standard-library
+modules, read from source with `ast` so nothing is imported, titled with its qualified name.
+They are shuffled with a fixed seed, so any window of training text mixes prose, reference and
+code docs much like the whole corpus does. The same interpreter always yields the same bytes;
+the build is cached by Python version.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import random
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -22,7 +25,8 @@ __all__ = ["CORPUS_FILE", "build_corpus", "corpus_documents", "offline_corpus"]
 
 CORPUS_FILE = "corpus.jsonl"
 MANIFEST_FILE = "manifest.json"
-_VERSION = 1  # bump when the document recipe changes, so old caches are not reused
+_SEED = 0
+_VERSION = 2  # bump when the document recipe changes, so old caches are not reused
 
 
 def _help_topics() -> Iterator[str]:
@@ -34,33 +38,30 @@ def _help_topics() -> Iterator[str]:
             yield text
 
 
-def _module_docstrings(source: Path) -> str:
+def _docstrings(source: Path) -> Iterator[str]:
     try:
         tree = ast.parse(source.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
-        return ""
-    parts = []
+        return
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             doc = ast.get_docstring(node)
-            if doc:
-                title = "" if isinstance(node, ast.Module) else f"{node.name}\n"
-                parts.append(title + doc.strip())
-    return "\n\n".join(parts)
+            if doc and doc.strip():
+                name = source.stem if isinstance(node, ast.Module) else f"{source.stem}.{node.name}"
+                yield f"{name}\n\n{doc.strip()}"
 
 
 def _stdlib_docstrings() -> Iterator[str]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for source in sorted(stdlib.glob("*.py")):
-        text = _module_docstrings(source)
-        if text:
-            yield f"Module {source.stem}\n\n{text}"
+        yield from _docstrings(source)
 
 
-def corpus_documents() -> Iterator[str]:
-    """Every document of the offline corpus, in order."""
-    yield from _help_topics()
-    yield from _stdlib_docstrings()
+def corpus_documents() -> list[str]:
+    """Every document of the offline corpus, in its fixed shuffled order."""
+    documents = [*_help_topics(), *_stdlib_docstrings()]
+    random.Random(_SEED).shuffle(documents)
+    return documents
 
 
 def build_corpus(folder: Path) -> Path:

@@ -12,7 +12,13 @@ from collections.abc import Callable
 from torchtitan.trainer import Trainer
 
 from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.recipes.tiny import metrics_config, tiny_dense, tiny_moe
+from qwentitan.launch.recipes.tiny import (
+    metrics_config,
+    tiny_dense,
+    tiny_hf,
+    tiny_moe,
+    tiny_moe_kernels,
+)
 from qwentitan.launch.recipes.trn2 import (
     TRN2_RECIPES,
     qwen3_4b_hf,
@@ -29,12 +35,16 @@ __all__ = [
     "qwen3_moe_kernels",
     "recipe_names",
     "tiny_dense",
+    "tiny_hf",
     "tiny_moe",
+    "tiny_moe_kernels",
 ]
 
 _RECIPES: dict[str, Callable[[], Trainer.Config]] = {
     "tiny_dense": tiny_dense,
     "tiny_moe": tiny_moe,
+    "tiny_hf": tiny_hf,
+    "tiny_moe_kernels": tiny_moe_kernels,
     "qwen3_4b_hf": qwen3_4b_hf,
     "qwen3_4b_native": qwen3_4b_native,
     "qwen3_moe_kernels": qwen3_moe_kernels,

@@ -15,13 +15,13 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
-from torchtitan.protocols.model_spec import ModelSpec
 
 from qwentitan.launch.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
 from qwentitan.launch.platforms import current_platform
 from qwentitan.launch.trainer import Trainer
+from qwentitan.modeling import get_flavor, model_spec
 
-__all__ = ["metrics_config", "tiny_dense", "tiny_moe"]
+__all__ = ["metrics_config", "tiny_dense", "tiny_hf", "tiny_moe", "tiny_moe_kernels"]
 
 SEED = 0
 
@@ -31,63 +31,16 @@ def metrics_config() -> MetricsProcessor.Config:
     return MetricsProcessor.Config(log_freq=1)
 
 
-def _prototype_spec(flavor: str, attn_backend: str) -> ModelSpec:
-    # Stand-in until qwentitan.modeling's `model_spec(get_flavor(...), "native")` lands.
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.qwen3 import (
-        _EMBEDDING_INIT,
-        _EMBEDDING_SKIP_INIT,
-        _LINEAR_INIT,
-        Qwen3Model,
-        _build_qwen3_layers,
-        _build_qwen3_moe_layers,
-        _qwen3_norm,
-        model_registry,
-    )
-
-    dim, head_dim, vocab = 64, 16, 151936
-    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=1024, theta=1000000.0)
-    common = dict(n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, rope=rope)
-    if flavor == "tiny-dense":
-        layers = _build_qwen3_layers(hidden_dim=192, attn_backend="flex", **common)
-        tied = True
-    else:
-        layers = _build_qwen3_moe_layers(
-            moe_hidden_dim=64,
-            num_experts=8,
-            top_k=2,
-            attn_backend="flex",
-            moe_comm_backend="standard",
-            **common,
-        )
-        tied = False
-    model = Qwen3Model.Config(
-        vocab_size=vocab,
-        dim=dim,
-        norm=_qwen3_norm(dim),
-        enable_weight_tying=tied,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab,
-            embedding_dim=dim,
-            param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT,
-        ),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
-        layers=layers,
-    )
-    spec = model_registry("debugmodel")
-    spec.flavor = flavor
-    spec.model = model
-    return spec
-
-
-def _tiny(flavor: str, *, lr: float) -> Trainer.Config:
+def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer.Config:
     platform = current_platform()
-    spec = _prototype_spec(flavor, platform.attention)
+    # The platform names the attention that trains there (SDPA on CPU: FlexAttention has no
+    # CPU backward); qwentitan.modeling builds the model with it.
+    spec = model_spec(get_flavor(flavor), path, attn_backend=platform.attention)
     steps = 40
     return Trainer.Config(
         model_spec=spec,
         hf_assets_path=str(qwen_tokenizer_folder()),
-        dump_folder=f"./outputs/{flavor.replace('-', '_')}",
+        dump_folder=f"./outputs/{name}",
         metrics=metrics_config(),
         dataloader=TextDataLoader.Config(dataset=OFFLINE),
         loss=ChunkedLossWrapper.Config(
@@ -124,9 +77,19 @@ def _tiny(flavor: str, *, lr: float) -> Trainer.Config:
 
 def tiny_dense() -> Trainer.Config:
     """Dense tiny Qwen3 (qk-norm, GQA, tied embeddings) on the offline corpus."""
-    return _tiny("tiny-dense", lr=3e-3)
+    return _tiny("tiny_dense", "tiny-dense", lr=1e-2)
 
 
 def tiny_moe() -> Trainer.Config:
     """MoE tiny Qwen3 (top-k router, softmax scores) on the offline corpus."""
-    return _tiny("tiny-moe", lr=3e-3)
+    return _tiny("tiny_moe", "tiny-moe", lr=1e-2)
+
+
+def tiny_hf() -> Trainer.Config:
+    """`tiny_dense` with the model built by transformers v5 (the `hf` path)."""
+    return _tiny("tiny_hf", "tiny-dense", path="hf", lr=1e-2)
+
+
+def tiny_moe_kernels() -> Trainer.Config:
+    """`tiny_moe` with qwentitan.kernels' RoPE, attention and grouped experts (`moe-kernels`)."""
+    return _tiny("tiny_moe_kernels", "tiny-moe", path="moe-kernels", lr=1e-2)

@@ -1,0 +1,263 @@
+"""`to_dcp` and `to_hf`: stream Qwen3 weights between a Hugging Face folder and a DCP folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qwentitan.checkpoint import dcp_io
+from qwentitan.checkpoint.errors import CheckpointError
+from qwentitan.checkpoint.layout import (
+    DTYPES,
+    NON_MODEL_PREFIXES,
+    Qwen3Layout,
+    TitanTensor,
+    read_config,
+)
+from qwentitan.checkpoint.output import byte_progress, check_destination, staged_folder
+from qwentitan.checkpoint.safetensors_io import HFFolder, ShardedWriter, parse_size, read_into
+
+# Disk-bound work: a few threads keep the disk busy; more only add memory.
+THREADS = max(2, min(4, os.cpu_count() or 2))
+# Tensors in flight at once (bytes). A single larger group (one layer's stacked experts, a
+# 150k-vocab embedding) still goes through, alone.
+MEMORY_BUDGET = 512 << 20
+_IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_SIDE_FILES = ("config.json", "generation_config.json")
+
+
+def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Convert a Hugging Face Qwen3 / Qwen3-MoE folder into a torchtitan DCP folder.
+
+    The DCP holds torchtitan 0.3.0's parameter names (experts stacked, the tied lm_head
+    recreated from the embeddings, `expert_bias_E` zeros), the source dtypes unchanged, and a
+    copy of config.json / generation_config.json so `to_hf` can go back without `--config`.
+    """
+    src, dst = Path(src), Path(dst)
+    hf = HFFolder(src)
+    config, config_file = read_config(src)
+    layout = Qwen3Layout.from_config(config, config_file)
+    check_hf_tensors(hf, layout, config_file)
+    check_destination(src, dst, overwrite)
+
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    producers = {}
+    for t in layout.titan_tensors():
+        if not t.hf_names:  # expert_bias_E: torchtitan's load-balancing buffer starts at zero
+            specs[t.name] = (t.shape, torch.float32)
+            producers[t.name] = lambda shape=t.shape: torch.zeros(shape, dtype=torch.float32)
+            continue
+        dtypes = {hf.tensors[n].dtype for n in t.hf_names}
+        if len(dtypes) != 1:
+            raise CheckpointError(
+                f"the experts stacked into {t.name} mix dtypes {sorted(map(str, dtypes))} in "
+                f"{src}; re-save the checkpoint in one dtype."
+            )
+        specs[t.name] = (t.shape, dtypes.pop())
+        producers[t.name] = _producer(hf, t, specs[t.name][1])
+
+    total = sum(torch.empty(s, dtype=d, device="meta").nbytes for s, d in specs.values())
+    with staged_folder(dst) as tmp, byte_progress(f"to-dcp {src.name}", total) as advance:
+        dcp_io.save(
+            tmp,
+            specs,
+            producers,
+            threads=THREADS,
+            budget=dcp_io.MemoryBudget(max(MEMORY_BUDGET, _largest(specs))),
+            on_written=advance,
+        )
+        for name in _SIDE_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+    return dst
+
+
+def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype):
+    def produce() -> torch.Tensor:
+        if not t.stacked:
+            return hf.read(t.hf_names[0])
+        out = torch.empty(t.shape, dtype=dtype)
+        for e, name in enumerate(t.hf_names):
+            read_into(hf.tensors[name], out[e])
+        return out
+
+    return produce
+
+
+def _largest(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    return max(torch.empty(s, dtype=d, device="meta").nbytes for s, d in specs.values())
+
+
+def check_hf_tensors(hf: HFFolder, layout: Qwen3Layout, config_file: Path) -> None:
+    """Every tensor config.json implies is present with its shape, and nothing else."""
+    expected = layout.hf_shapes()
+    for name, stored in hf.tensors.items():
+        if _IGNORED_HF.fullmatch(name) or (name == "lm_head.weight" and layout.tie_word_embeddings):
+            continue  # not parameters (rotary cache), or the tied copy HF itself ignores
+        if name not in expected:
+            raise CheckpointError(
+                f"tensor {name!r} in {stored.file} is not a parameter of the model "
+                f"{config_file} describes; pass the config.json that belongs to these weights "
+                "or remove the stray tensor."
+            )
+        if stored.shape != expected[name]:
+            raise CheckpointError(
+                f"tensor {name!r} in {stored.file} has shape {list(stored.shape)} but "
+                f"{config_file} implies {list(expected[name])}; pass the config.json that "
+                "belongs to these weights."
+            )
+    missing = [n for n in expected if n not in hf.tensors]
+    if missing:
+        raise CheckpointError(
+            f"{hf.path} lacks tensor {missing[0]!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + f" that {config_file} requires; download the missing shard or pass the matching "
+            "config.json."
+        )
+
+
+def to_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    config: str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Export a torchtitan Qwen3 DCP folder as a Hugging Face folder `from_pretrained` loads.
+
+    `config` is the model's config.json (or its folder); by default the one `to_dcp` left in
+    the DCP folder. `dtype` casts every tensor (default: as stored). Experts are unstacked,
+    the tied lm_head and torchtitan-only buffers dropped; optimizer and other training state
+    in the DCP folder are ignored.
+    """
+    src, dst = Path(src), Path(dst)
+    ckpt = dcp_io.DCPFolder(src)
+    if config is None:
+        if not (src / "config.json").is_file():
+            raise CheckpointError(
+                f"{src} holds no config.json; pass --config with the config.json (or folder) of "
+                "the Hugging Face model this checkpoint came from."
+            )
+        config = src
+    cfg, config_file = read_config(config)
+    layout = Qwen3Layout.from_config(cfg, config_file)
+    export_dtype = _dtype(dtype)
+    shard_bytes = parse_size(max_shard_size)
+    tensors = check_dcp_tensors(ckpt, layout, config_file)
+    check_destination(src, dst, overwrite)
+
+    exported = [t for t in tensors if t.exported and t.hf_names]
+    entries = []
+    for t in exported:
+        out_dtype = export_dtype or ckpt.tensors[t.name][1]
+        per = t.shape[1:] if t.stacked else t.shape
+        entries += [(name, out_dtype, per) for name in t.hf_names]
+    total = sum(torch.empty(s, dtype=d, device="meta").nbytes for _, d, s in entries)
+    budget = dcp_io.MemoryBudget(MEMORY_BUDGET)
+    dropped_bias: list[str] = []
+
+    def export(t: TitanTensor) -> None:
+        # DCP's reader may hold the loaded copy and the target at once: twice the tensor.
+        with budget.hold(ckpt.load_cost(t.name)):
+            value = ckpt.load(t.name)
+            if not t.hf_names:
+                if value.any():
+                    dropped_bias.append(t.name)
+                return
+            if export_dtype is not None:
+                value = value.to(export_dtype)
+            parts = value.unbind(0) if t.stacked else (value,)
+            for name, part in zip(t.hf_names, parts, strict=True):
+                writer.write(name, part)
+                advance(part.nbytes)
+
+    with staged_folder(dst) as tmp, byte_progress(f"to-hf {src.name}", total) as advance:
+        writer = ShardedWriter(tmp, entries, shard_bytes)
+        try:
+            bias = [t for t in tensors if not t.hf_names]
+            with ThreadPoolExecutor(THREADS) as pool:
+                futures = [pool.submit(export, t) for t in exported + bias]
+                _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+                for f in pending:
+                    f.cancel()
+                for f in futures:
+                    if f.done() and not f.cancelled():
+                        f.result()
+        finally:
+            writer.close()
+        _write_side_files(tmp, cfg, Path(config), export_dtype)
+    if dropped_bias:
+        warnings.warn(
+            f"{len(dropped_bias)} MoE layers of {src} have a non-zero expert_bias_E (torchtitan's "
+            "load-balancing bias), which Hugging Face Qwen3-MoE has no place for; the export "
+            "routes tokens without it.",
+            stacklevel=2,
+        )
+    return dst
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(
+            f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}."
+        )
+    return DTYPES[dtype]
+
+
+def check_dcp_tensors(
+    ckpt: dcp_io.DCPFolder, layout: Qwen3Layout, config_file: Path
+) -> list[TitanTensor]:
+    """The DCP holds exactly the model config.json describes, shape for shape."""
+    tensors = layout.titan_tensors()
+    model_keys = {k for k in ckpt.tensors if not k.startswith(NON_MODEL_PREFIXES)}
+    for t in tensors:
+        if t.name not in ckpt.tensors:
+            raise CheckpointError(
+                f"{ckpt.path} lacks tensor {t.name!r} that {config_file} requires; pass the "
+                "config.json of the model this checkpoint was trained from."
+            )
+        shape = ckpt.tensors[t.name][0]
+        if shape != t.shape:
+            raise CheckpointError(
+                f"tensor {t.name!r} in {ckpt.path} has shape {list(shape)} but {config_file} "
+                f"implies {list(t.shape)}; pass the config.json that belongs to this checkpoint."
+            )
+    unknown = sorted(model_keys - {t.name for t in tensors})
+    if unknown:
+        raise CheckpointError(
+            f"tensor {unknown[0]!r} in {ckpt.path} is not a parameter of the model "
+            f"{config_file} describes; pass the config.json that belongs to this checkpoint."
+        )
+    return tensors
+
+
+def _write_side_files(
+    folder: Path, config: dict[str, Any], config_path: Path, dtype: torch.dtype | None
+) -> None:
+    config = dict(config)
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        config["dtype"] = name
+        if "torch_dtype" in config:
+            config["torch_dtype"] = name
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    source_dir = config_path if config_path.is_dir() else config_path.parent
+    generation = source_dir / "generation_config.json"
+    if generation.is_file():
+        shutil.copyfile(generation, folder / "generation_config.json")
+    else:
+        fields = ("bos_token_id", "eos_token_id", "pad_token_id")
+        gen = {k: config[k] for k in fields if config.get(k) is not None}
+        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -1,0 +1,163 @@
+"""Logit check for `verify --logits`: HF model vs torchtitan's Qwen3 loaded from the DCP folder.
+
+Needs the `logits` extra (transformers, torchtitan); imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qwentitan.checkpoint.errors import CheckpointError
+from qwentitan.checkpoint.layout import Qwen3Layout
+
+PROMPT_LENGTH = 16
+# float32 on both sides; MoE adds routing sums whose order differs between the two models.
+DENSE_TOLERANCE = 1e-5
+MOE_TOLERANCE = 1e-4
+
+
+def titan_model_config(config: dict[str, Any], where: Path | str):
+    """torchtitan's Qwen3Model.Config for a Hugging Face config.json (causal SDPA attention)."""
+    layout = Qwen3Layout.from_config(config, where)
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    # The layer builders are the ones torchtitan's own flavor table uses.
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_layers,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+
+    rope_parameters = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0
+    if rope_parameters.get("rope_type", "default") != "default" or config.get("rope_scaling"):
+        raise CheckpointError(
+            f"{where} uses rope scaling, which torchtitan's Qwen3 does not implement; "
+            "verify without --logits."
+        )
+    rope = CosSinRoPE.Config(
+        dim=layout.head_dim, max_seq_len=config.get("max_position_embeddings", 4096), theta=theta
+    )
+    common = dict(
+        n_layers=layout.num_layers,
+        dim=layout.hidden_size,
+        n_heads=layout.num_heads,
+        n_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        attn_backend="flex",
+        rope=rope,
+    )
+    if layout.model_type == "qwen3":
+        layers = _build_qwen3_layers(hidden_dim=layout.intermediate_size, **common)
+    else:
+        if layout.moe_layers != frozenset(range(layout.num_layers)):
+            raise CheckpointError(
+                f"{where} mixes dense and MoE layers, which torchtitan's Qwen3 cannot build; "
+                "verify without --logits."
+            )
+        layers = _build_qwen3_moe_layers(
+            moe_hidden_dim=layout.moe_intermediate_size,
+            num_experts=layout.num_experts,
+            top_k=config["num_experts_per_tok"],
+            moe_comm_backend="standard",
+            **common,
+        )
+        for layer in layers:
+            layer.moe.router.route_norm = bool(config.get("norm_topk_prob", False))
+    for layer in layers:
+        # Plain causal SDPA: flex attention needs inductor, and one unmasked prompt needs no mask.
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    model = Qwen3Model.Config(
+        vocab_size=layout.vocab_size,
+        dim=layout.hidden_size,
+        norm=_qwen3_norm(layout.hidden_size),
+        enable_weight_tying=layout.tie_word_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=layout.vocab_size,
+            embedding_dim=layout.hidden_size,
+            param_init=_EMBEDDING_INIT,
+        ),
+        lm_head=Linear.Config(
+            in_features=layout.hidden_size,
+            out_features=layout.vocab_size,
+            param_init=_LINEAR_INIT,
+        ),
+        layers=layers,
+    )
+    _set_norm_eps(model, config.get("rms_norm_eps", 1e-6), RMSNorm.Config)
+    return model
+
+
+def _set_norm_eps(node: Any, eps: float, norm_type: type) -> None:
+    if isinstance(node, norm_type):
+        node.eps = eps
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            _set_norm_eps(getattr(node, f.name), eps, norm_type)
+    elif isinstance(node, list):
+        for item in node:
+            _set_norm_eps(item, eps, norm_type)
+
+
+def load_titan_model(dcp_dir: Path | str, config: dict[str, Any], where: Path | str):
+    """torchtitan's Qwen3 in float32, loaded from `dcp_dir` by torchtitan's CheckpointManager."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    model = titan_model_config(config, where).build()
+    model.init_states(buffer_device=None) if hasattr(model, "init_states") else None
+    manager = CheckpointManager(
+        CheckpointManager.Config(
+            enable=True,
+            folder=str(Path(dcp_dir).resolve() / ".no-step-folders-here"),
+            initial_load_path=str(Path(dcp_dir).resolve()),
+            initial_load_model_only=True,
+            keep_latest_k=0,
+        ),
+        dataloader=None,
+        model_parts=[model],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+    )
+    if not manager.load():
+        raise CheckpointError(f"torchtitan loaded nothing from {dcp_dir}; check the folder.")
+    manager.close()
+    return model.eval()
+
+
+def prompt(vocab_size: int) -> torch.Tensor:
+    return torch.randint(
+        0, vocab_size, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(0)
+    )
+
+
+def compare_logits(hf_dir: Path, dcp_dir: Path, config: dict[str, Any]) -> tuple[float, float]:
+    """Largest |logit difference| of the two models on a fixed prompt, and its tolerance."""
+    try:
+        import torchtitan  # noqa: F401
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise CheckpointError(
+            "verify --logits needs transformers and torchtitan; install them with "
+            "`pip install 'qwentitan-checkpoint[logits]'` or drop --logits."
+        ) from None
+    tokens = prompt(config["vocab_size"])
+    with torch.no_grad():
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        expected = hf_model(tokens).logits
+        del hf_model
+        titan = load_titan_model(dcp_dir, config, hf_dir / "config.json")
+        titan.to(torch.float32)
+        got = titan(tokens)
+    tolerance = MOE_TOLERANCE if config.get("model_type") == "qwen3_moe" else DENSE_TOLERANCE
+    return float((expected - got).abs().max()), tolerance

@@ -1,0 +1,282 @@
+"""Hugging Face model folders: validated lazy reads and streaming shard writes.
+
+Reads go straight from the file into the destination tensor with `readinto` at the offset the
+safetensors header gives, so nothing is memory-mapped: a memory map keeps every page it
+touched resident until it is closed, which would make peak RSS the size of the model. Writes
+lay out each shard's header first (all shapes are known up front) and then fill tensors in at
+their offsets from any thread, so independent tensors are written concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import _TYPES as _SAFETENSORS_DTYPES
+
+from qwentitan.checkpoint.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def read_header(file: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """Parse and check one safetensors file's header without reading its data."""
+    bad = f"{file} is truncated or corrupt"
+    fix = "re-download or re-export this file"
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if n < 2 or n > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(f"{bad} (its header length is impossible); {fix}.")
+            header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{bad} (its header is not JSON); {fix}.") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{bad} (its header is not a JSON object); {fix}.")
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, StoredTensor] = {}
+    end = 0
+    for name, info in sorted(header.items(), key=lambda kv: _offsets(kv[1])[0]):
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        begin, stop = _offsets(info)
+        shape = tuple(info.get("shape", [])) if dtype is not None else ()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if dtype is None or begin != end or stop - begin != numel * dtype.itemsize:
+            raise CheckpointError(f"{bad} (tensor {name!r} has an invalid entry); {fix}.")
+        end = stop
+        tensors[name] = StoredTensor(name, file, dtype, shape, 8 + n + begin, stop - begin)
+    if 8 + n + end != size:
+        raise CheckpointError(
+            f"{bad} (it holds {size} bytes, its header describes {8 + n + end}); {fix}."
+        )
+    return tensors, metadata
+
+
+def _offsets(info: Any) -> tuple[int, int]:
+    try:
+        begin, stop = info["data_offsets"]
+        return int(begin), int(stop)
+    except (KeyError, TypeError, ValueError):
+        return (-1, -1)
+
+
+class HFFolder:
+    """A Hugging Face model folder: one model.safetensors or shards with an index."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(
+                f"{self.path} is not a folder; pass a Hugging Face model folder "
+                f"holding {SINGLE} or {INDEX}."
+            )
+        self.tensors: dict[str, StoredTensor] = {}
+        index = self.path / INDEX
+        if index.is_file():
+            self._read_index(index)
+        elif (self.path / SINGLE).is_file():
+            self.tensors, _ = read_header(self.path / SINGLE)
+        else:
+            raise CheckpointError(
+                f"{self.path} holds neither {SINGLE} nor {INDEX}; pass the folder that "
+                "save_pretrained wrote."
+            )
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (
+            OSError,
+            UnicodeDecodeError,
+            json.JSONDecodeError,
+            KeyError,
+            TypeError,
+            AssertionError,
+        ):
+            raise CheckpointError(
+                f"{index} is not a valid index (no weight_map object); restore it from the "
+                "model's original files."
+            ) from None
+        for shard_name in sorted(set(weight_map.values())):
+            shard = self.path / shard_name
+            if not shard.is_file():
+                raise CheckpointError(
+                    f"{shard} is named in {index.name} but missing; download that shard into "
+                    f"{self.path}."
+                )
+            found, _ = read_header(shard)
+            for name, stored in found.items():
+                if name in self.tensors:
+                    raise CheckpointError(
+                        f"tensor {name!r} is present in two shards, "
+                        f"{self.tensors[name].file.name} and {shard.name}; remove the stale "
+                        "copy or re-download the checkpoint."
+                    )
+                if weight_map.get(name) != shard_name:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in {shard} but {index.name} places it in "
+                        f"{weight_map.get(name)!r}; re-download the checkpoint or fix the index."
+                    )
+                self.tensors[name] = stored
+        for name, shard_name in weight_map.items():
+            if name not in self.tensors:
+                raise CheckpointError(
+                    f"{index.name} lists tensor {name!r} in {shard_name}, which does not hold "
+                    "it; re-download that shard."
+                )
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read one tensor from disk into `out` (or a new tensor) without a memory map."""
+        stored = self.tensors[name]
+        if out is None:
+            out = torch.empty(stored.shape, dtype=stored.dtype)
+        read_into(stored, out)
+        return out
+
+
+def read_into(stored: StoredTensor, out: torch.Tensor) -> None:
+    raw = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
+    if raw is None:
+        return
+    with open(stored.file, "rb", buffering=0) as f:
+        f.seek(stored.start)
+        view = memoryview(raw)
+        done = 0
+        while done < stored.nbytes:
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(
+                    f"{stored.file} ended while reading {stored.name!r}; the file was truncated "
+                    "during conversion, re-download it."
+                )
+            done += got
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' / '500MB' / '2GiB' / 1000 -> bytes (decimal units as transformers uses them)."""
+    if isinstance(text, int):
+        return text
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    s = text.strip().upper()
+    number = s.rstrip("KMGTIB")
+    try:
+        value = float(number) * units[s[len(number) :]]
+    except (ValueError, KeyError):
+        raise CheckpointError(
+            f"--max-shard-size {text!r} is not a size; write it like 5GB, 500MB or 2GiB."
+        ) from None
+    if value < 1:
+        raise CheckpointError(f"--max-shard-size {text!r} must be positive; use e.g. 5GB.")
+    return int(value)
+
+
+class ShardedWriter:
+    """Safetensors shards laid out up front, filled tensor by tensor from any thread."""
+
+    def __init__(
+        self,
+        folder: Path,
+        tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        max_shard_bytes: int,
+    ):
+        groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+        size = 0
+        for entry in tensors:
+            nbytes = _nbytes(entry[1], entry[2])
+            if groups[-1] and size + nbytes > max_shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(entry)
+            size += nbytes
+        count = len(groups)
+        self.where: dict[str, tuple[int, int, int]] = {}  # name -> (fd, offset, nbytes)
+        self._fds: list[int] = []
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, group in enumerate(groups):
+            name = SINGLE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for tname, dtype, shape in group:
+                nbytes = _nbytes(dtype, shape)
+                header[tname] = {
+                    "dtype": _DTYPE_NAMES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes],
+                }
+                offset += nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+            fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fds.append(fd)
+            os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
+            os.ftruncate(fd, 8 + len(raw) + offset)
+            for tname, dtype, shape in group:
+                start = header[tname]["data_offsets"][0]
+                self.where[tname] = (fd, 8 + len(raw) + start, _nbytes(dtype, shape))
+                weight_map[tname] = name
+            total += offset
+        if count > 1:
+            # Like save_pretrained, a single model.safetensors has no index: torchtitan's
+            # adapter reads shard numbers out of index file names and fails on one without.
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        fd, offset, nbytes = self.where[name]
+        if tensor.numel() == 0:
+            return
+        view = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+        assert len(view) == nbytes, name
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(fd, view[done:], offset + done)
+
+    def close(self, sync: bool = True) -> None:
+        for fd in self._fds:
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+        self._fds = []
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,204 @@
+"""The `moe-kernels` path: torchtitan Qwen3 modules whose compute runs through qwentitan.kernels.
+
+Three torchtitan modules get a subclass whose forward calls a `qwentitan::` op (NKI on a
+`neuron` device, the PyTorch reference twin elsewhere); parameters, buffers and state-dict keys
+stay torchtitan's, so checkpoints and the HF adapter are unchanged. `apply_kernel_replacements`
+swaps them into a Qwen3 model config by module path before the model is built.
+
+Semantics that differ from torchtitan's defaults, because the NKI kernels work this way:
+- attention is causal over the whole row (attention_cte has no document mask), and RoPE uses
+  positions 0..seq-1 (rope_hf is gather-free), so per-document `positions` are not used: a
+  packed row is one causal sequence for both;
+- expert weights are re-laid out each forward into the kernel's (experts, hidden, 2, inter) and
+  (experts, inter, hidden) forms; the experts compute in the input's dtype (torchtitan's
+  GroupedExperts always casts to bfloat16; `compute_dtype=torch.bfloat16` reproduces that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.common.rope import CosSinRoPE
+
+try:  # registers the qwentitan:: ops; optional dependency (qwentitan-modeling[kernels])
+    import qwentitan.kernels as _kernels_package
+except ModuleNotFoundError:
+    _kernels_package = None
+
+
+def _error_class() -> type[Exception]:
+    try:
+        from qwentitan.modeling import ModelingError
+    except ImportError:
+        try:
+            from qwentitan.kernels import KernelError
+        except ImportError:
+            return ImportError
+        return KernelError
+    return ModelingError
+
+
+def _kernels():
+    if _kernels_package is None:
+        raise _error_class()(
+            "the moe-kernels path needs the qwentitan-kernels package, which is not installed; "
+            "install qwentitan-modeling[kernels]."
+        )
+    return _kernels_package
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+class KernelRoPE(CosSinRoPE):
+    """torchtitan's cos/sin RoPE applied by `qwentitan::rope` (nkilib rope_hf on neuron)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(CosSinRoPE.Config):
+        pass
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions are not used: rope_hf is gather-free (positions 0..seq-1), matching the
+        # whole-row causal kernel attention; see the module docstring.
+        return torch.ops.qwentitan.rope(query, key, self.cache)
+
+
+class KernelCausalAttention(ScaledDotProductAttention):
+    """Causal GQA by `qwentitan::causal_attention` (nkilib attention_cte/attention_bwd on neuron)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: Any = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        is_causal: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if attention_masks is not None or not is_causal:
+            raise _kernels().KernelError(
+                "the kernel attention is causal over the whole sequence and takes no attention "
+                "masks; build the model with apply_kernel_replacements and call it without masks."
+            )
+        scale = q_BLNH.shape[-1] ** -0.5 if scale is None else scale
+        return torch.ops.qwentitan.causal_attention(q_BLNH, k_BLNH, v_BLNH, scale)[0]
+
+
+class KernelGroupedExperts(GroupedExperts):
+    """torchtitan's SwiGLU experts computed by `qwentitan::grouped_experts` in padded blocks.
+
+    Rows arrive sorted by expert from torchtitan's token dispatcher, which also applies the
+    routing scores when it combines; so every row has affinity 1 for its own expert here.
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        block_size: int = 256  # moe_cte needs a multiple of 256; blockwise_mm_bwd <= 1024
+        # None: the input's dtype, as the NKI kernel computes. torchtitan's GroupedExperts always
+        # casts to bfloat16 (a CUDA grouped_mm limit); set torch.bfloat16 to reproduce that.
+        compute_dtype: torch.dtype | None = None
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.block_size = config.block_size
+        self.compute_dtype = config.compute_dtype
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        kernels = _kernels()
+        w1, w2, w3 = (
+            w.to_local() if isinstance(w, DTensor) else w
+            for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
+        dtype = self.compute_dtype or x_RD.dtype
+        rows = x_RD.shape[0]
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=x_RD.device),
+            num_tokens_per_expert_E.to(x_RD.device),
+            output_size=rows,
+        )
+        token_position_to_id, block_to_expert = kernels.block_routing(
+            expert_of_row, self.num_experts, self.block_size
+        )
+        affinities = torch.zeros(rows, self.num_experts, dtype=dtype, device=x_RD.device)
+        affinities = affinities.scatter(1, expert_of_row[:, None], 1.0)
+        gate_up = torch.stack([w1.transpose(1, 2), w3.transpose(1, 2)], dim=2).to(dtype)
+        down = w2.transpose(1, 2).to(dtype)
+        out = kernels.grouped_experts(
+            x_RD.to(dtype),
+            affinities,
+            gate_up,
+            down,
+            token_position_to_id,
+            block_to_expert,
+            self.block_size,
+        )
+        return out.type_as(x_RD)
+
+
+def _replace_rope(config: Any) -> KernelRoPE.Config:
+    if not isinstance(config, CosSinRoPE.Config):
+        raise _kernels().KernelError(
+            f"nki_rope replaces cos/sin RoPE (rotate-half, as Qwen3 uses), got "
+            f"{type(config).__qualname__}; point the rule at a CosSinRoPE config."
+        )
+    return KernelRoPE.Config(**_fields(config))
+
+
+def _replace_attention(config: Any) -> KernelCausalAttention.Config:
+    return KernelCausalAttention.Config(
+        param_init=config.param_init, sharding_config=config.sharding_config
+    )
+
+
+def _replace_experts(config: Any, block_size: int = 256) -> KernelGroupedExperts.Config:
+    if not isinstance(config, GroupedExperts.Config):
+        raise _kernels().KernelError(
+            f"nki_grouped_experts replaces GroupedExperts, got {type(config).__qualname__}; "
+            "point the rule at moe.routed_experts.inner_experts."
+        )
+    return KernelGroupedExperts.Config(**_fields(config), block_size=block_size)
+
+
+def default_rules(block_size: int = 256) -> list:
+    """The three replacements of the moe-kernels path, for every layer."""
+    kernels = _kernels()
+    return [
+        kernels.ReplacementRule("layers.*.attention.rope", _replace_rope, "nki_rope"),
+        kernels.ReplacementRule(
+            "layers.*.attention.inner_attention", _replace_attention, "nki_attention"
+        ),
+        kernels.ReplacementRule(
+            "layers.*.moe.routed_experts.inner_experts",
+            lambda config: _replace_experts(config, block_size),
+            "nki_grouped_experts",
+        ),
+    ]
+
+
+def apply_kernel_replacements(model_config: Any, rules: Sequence | None = None) -> Any:
+    """A new torchtitan Qwen3 model config with the kernel modules swapped in (input untouched).
+
+    `rules` defaults to `default_rules()`: RoPE, inner attention and grouped experts of every
+    layer. Logs one line per replaced module; a rule that matches nothing raises.
+    """
+    kernels = _kernels()
+    return kernels.apply_replacements(model_config, default_rules() if rules is None else rules)

@@ -1,0 +1,181 @@
+"""HF -> DCP -> HF is exact, with torchtitan's names and layout in the middle."""
+
+import json
+
+import pytest
+import torch
+
+from qwentitan.checkpoint import to_dcp, to_hf, verify
+
+KINDS = [
+    pytest.param(dict(moe=False, tied=True), id="dense-tied"),
+    pytest.param(dict(moe=False, tied=False), id="dense-untied"),
+    pytest.param(dict(moe=True, tied=False), id="moe"),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_to_dcp_to_hf_is_bitwise_identical(make_hf, helpers, tmp_path, kind):
+    src = make_hf(**kind)
+    to_dcp(src, tmp_path / "dcp")
+    to_hf(tmp_path / "dcp", tmp_path / "back")
+
+    before, after = helpers.load_hf(src), helpers.load_hf(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert helpers.bitwise_equal(before[name], after[name]), name
+    assert sorted(p.name for p in (tmp_path / "back").glob("*.safetensors")) == [
+        "model.safetensors"
+    ]
+    assert not (tmp_path / "back" / "model.safetensors.index.json").exists()  # as save_pretrained
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
+        (src / "config.json").read_text()
+    )
+    assert (tmp_path / "back" / "generation_config.json").is_file()
+
+
+def test_dcp_holds_torchtitan_names_and_stacked_experts(make_hf, helpers, tmp_path):
+    src = make_hf(moe=True, tied=False)
+    to_dcp(src, tmp_path / "dcp")
+    hf, titan = helpers.load_hf(src), helpers.load_dcp(tmp_path / "dcp")
+
+    assert torch.equal(titan["tok_embeddings.weight"], hf["model.embed_tokens.weight"])
+    assert torch.equal(
+        titan["layers.1.attention.qkv_linear.wk.weight"],
+        hf["model.layers.1.self_attn.k_proj.weight"],
+    )
+    assert torch.equal(
+        titan["layers.0.attention_norm.weight"], hf["model.layers.0.input_layernorm.weight"]
+    )
+    assert torch.equal(
+        titan["layers.0.moe.router.gate.weight"], hf["model.layers.0.mlp.gate.weight"]
+    )
+    e, f, d = helpers.EXPERTS, helpers.MOE_FFN, helpers.HIDDEN
+    experts = "layers.1.moe.routed_experts.inner_experts."
+    assert titan[experts + "w1_EFD"].shape == (e, f, d)
+    assert titan[experts + "w2_EDF"].shape == (e, d, f)
+    for x in range(e):
+        p = f"model.layers.1.mlp.experts.{x}."
+        assert torch.equal(titan[experts + "w1_EFD"][x], hf[p + "gate_proj.weight"])
+        assert torch.equal(titan[experts + "w3_EFD"][x], hf[p + "up_proj.weight"])
+        assert torch.equal(titan[experts + "w2_EDF"][x], hf[p + "down_proj.weight"])
+    bias = titan["layers.0.moe.expert_bias_E"]
+    assert bias.dtype == torch.float32 and bias.shape == (e,) and not bias.any()
+    assert not any(k.startswith("model.") for k in titan)
+
+
+def test_tied_lm_head_is_recreated_in_dcp_and_dropped_on_export(make_hf, helpers, tmp_path):
+    src = make_hf(moe=False, tied=True)
+    to_dcp(src, tmp_path / "dcp")
+    titan = helpers.load_dcp(tmp_path / "dcp")
+    assert torch.equal(titan["lm_head.weight"], titan["tok_embeddings.weight"])
+    to_hf(tmp_path / "dcp", tmp_path / "back")
+    assert "lm_head.weight" not in helpers.load_hf(tmp_path / "back")
+
+
+def test_export_dtype_and_shard_size(make_hf, helpers, tmp_path):
+    src = make_hf(moe=True, tied=False, dtype=torch.bfloat16)
+    to_dcp(src, tmp_path / "dcp")
+    to_hf(tmp_path / "dcp", tmp_path / "back", dtype="float32", max_shard_size="4KB")
+
+    shards = sorted((tmp_path / "back").glob("model-*-of-*.safetensors"))
+    assert len(shards) > 3
+    assert all(s.stat().st_size <= 4000 + 4096 for s in shards)  # header + one tensor over
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(helpers.load_hf(src))
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    before, after = helpers.load_hf(src), helpers.load_hf(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert after[name].dtype == torch.float32
+        assert torch.equal(after[name], before[name].float()), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["dtype"] == "float32"
+
+
+def test_to_hf_takes_the_config_from_elsewhere(make_hf, helpers, tmp_path):
+    src = make_hf(moe=False, tied=False)
+    to_dcp(src, tmp_path / "dcp")
+    (tmp_path / "dcp" / "config.json").unlink()
+    to_hf(tmp_path / "dcp", tmp_path / "back", config=src / "config.json")
+    assert helpers.load_hf(tmp_path / "back").keys() == helpers.load_hf(src).keys()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_passes_a_faithful_conversion(make_hf, tmp_path, kind):
+    src = make_hf(**kind)
+    to_dcp(src, tmp_path / "dcp")
+    report = verify(src, tmp_path / "dcp")
+    assert report.ok, report.format()
+    assert report.compared > 0 and "identical" in report.format()
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_verify_catches_a_single_flipped_value(make_hf, helpers, tmp_path, moe):
+    src = make_hf(moe=moe, tied=False)
+    to_dcp(src, tmp_path / "dcp")
+    tensors = helpers.hf_tensors(moe=moe, tied=False, dtype=torch.bfloat16)
+    name = (
+        "model.layers.1.mlp.experts.2.down_proj.weight"
+        if moe
+        else "model.layers.1.mlp.up_proj.weight"
+    )
+    tensors[name][3, 5] = -tensors[name][3, 5]  # one sign bit
+    changed = helpers.write_hf(
+        tmp_path / "changed", tensors, helpers.hf_config(moe=moe, tied=False), 2
+    )
+
+    report = verify(changed, tmp_path / "dcp")
+    assert not report.ok
+    assert len(report.value_mismatches) == 1
+    difference = report.value_mismatches[0]
+    titan = (
+        "layers.1.moe.routed_experts.inner_experts.w2_EDF"
+        if moe
+        else "layers.1.feed_forward.w3.weight"
+    )
+    assert difference.name == titan and difference.differing == 1
+    assert "DIFFERENT" in report.format()
+
+
+def test_verify_reports_missing_and_extra_keys(make_hf, tmp_path):
+    dense, moe = make_hf("dense", moe=False, tied=False), make_hf("moe", moe=True, tied=False)
+    to_dcp(moe, tmp_path / "dcp")
+    report = verify(dense, tmp_path / "dcp")
+    assert not report.ok
+    assert "layers.0.feed_forward.w1.weight" in report.missing_in_dcp
+    assert "layers.0.moe.routed_experts.inner_experts.w1_EFD" in report.unexpected_in_dcp
+    assert "missing from the DCP" in report.format()
+
+
+def test_cli_verify_exits_1_on_a_difference_and_0_when_identical(make_hf, tmp_path, capsys):
+    from qwentitan.checkpoint.cli import main
+
+    a, b = make_hf("a", tied=False), make_hf("b", tied=True)
+    assert main(["to-dcp", str(a), str(tmp_path / "dcp")]) == 0
+    assert main(["verify", str(a), str(tmp_path / "dcp")]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["verify", str(b), str(tmp_path / "dcp")]) == 1
+    assert "DIFFERENT" in capsys.readouterr().out
+
+
+def test_to_hf_reads_a_training_checkpoint_saved_one_file_per_rank(make_hf, helpers, tmp_path):
+    """A torchtitan-style DCP: all tensors in one file, plus optimizer and train state to ignore."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    src = make_hf(moe=True, tied=False)
+    to_dcp(src, tmp_path / "ours")
+    state = helpers.load_dcp(tmp_path / "ours")
+    state["optimizer"] = {"state.norm.weight.exp_avg": torch.ones(3)}
+    state["train_state"] = {"step": 7}
+    dcp.save(state, checkpoint_id=tmp_path / "step-7", no_dist=True)
+    assert len(list((tmp_path / "step-7").glob("*.distcp"))) == 1
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+
+    to_hf(tmp_path / "step-7", tmp_path / "back", config=tmp_path / "config.json")
+    before, after = helpers.load_hf(src), helpers.load_hf(tmp_path / "back")
+    assert before.keys() == after.keys()
+    assert all(helpers.bitwise_equal(before[k], after[k]) for k in before)
+    assert verify(src, tmp_path / "step-7").ok

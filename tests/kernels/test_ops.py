@@ -1,0 +1,216 @@
+"""The ops on cpu: torch.library contract, float64 gradients, and agreement with PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwentitan.kernels import (
+    KernelError,
+    block_routing,
+    causal_attention,
+    grouped_experts,
+    num_blocks,
+    numerics_report,
+    rope,
+)
+from qwentitan.kernels.attention import _math_backward, _math_forward
+
+
+def _cache(max_seq, dim, dtype=torch.float32):
+    freqs = torch.outer(torch.arange(max_seq).double(), 1e4 ** -(torch.arange(0, dim, 2) / dim))
+    theta = torch.cat([freqs, freqs], -1)
+    return torch.cat([theta.cos(), theta.sin()], -1).to(dtype)
+
+
+def _rope_args(dtype=torch.float32, grad=False):
+    q = torch.randn(2, 8, 4, 8, dtype=dtype, requires_grad=grad)
+    k = torch.randn(2, 8, 2, 8, dtype=dtype, requires_grad=grad)
+    return q, k, _cache(12, 8, dtype)
+
+
+def _attention_args(dtype=torch.float32, grad=False, seq=8):
+    return (
+        torch.randn(2, seq, 4, 8, dtype=dtype, requires_grad=grad),
+        torch.randn(2, seq, 2, 8, dtype=dtype, requires_grad=grad),
+        torch.randn(2, seq, 2, 8, dtype=dtype, requires_grad=grad),
+        0.3,
+    )
+
+
+def _experts_args(dtype=torch.float32, grad=False, tokens=6, experts=3, top_k=2, block=4):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    aff = torch.zeros(tokens, experts, dtype=dtype).scatter(
+        1, ids, torch.rand(tokens, top_k, generator=gen, dtype=dtype)
+    )
+    tpid, b2e = block_routing(ids, experts, block)
+    tensors = [
+        torch.randn(tokens, 8, generator=gen, dtype=dtype),
+        aff,
+        torch.randn(experts, 8, 2, 4, generator=gen, dtype=dtype),
+        torch.randn(experts, 4, 8, generator=gen, dtype=dtype),
+    ]
+    return (*(t.requires_grad_(grad) for t in tensors), tpid, b2e, block)
+
+
+def test_opcheck_passes_for_every_forward_op():
+    torch.manual_seed(0)
+    torch.library.opcheck(torch.ops.qwentitan.rope.default, _rope_args(grad=True))
+    torch.library.opcheck(torch.ops.qwentitan.causal_attention.default, _attention_args(grad=True))
+    torch.library.opcheck(torch.ops.qwentitan.grouped_experts.default, _experts_args(grad=True))
+
+
+def test_opcheck_passes_for_every_backward_op():
+    torch.manual_seed(0)
+    q, k, cache = _rope_args(grad=True)
+    torch.library.opcheck(torch.ops.qwentitan.rope_backward.default, (q, k, cache))
+    q, k, v, scale = _attention_args()
+    out, lse = torch.ops.qwentitan.causal_attention(q, k, v, scale)
+    torch.library.opcheck(
+        torch.ops.qwentitan.causal_attention_backward.default,
+        (torch.randn_like(out), q, k, v, out, lse, scale),
+    )
+    hidden, aff, gate_up, down, tpid, b2e, block = _experts_args()
+    out, gu_act, down_act = torch.ops.qwentitan.grouped_experts(
+        hidden, aff, gate_up, down, tpid, b2e, block
+    )
+    torch.library.opcheck(
+        torch.ops.qwentitan.grouped_experts_backward.default,
+        (torch.randn_like(out), hidden, aff, gate_up, down, gu_act, down_act, tpid, b2e, block),
+    )
+
+
+def test_gradcheck_float64_for_every_op():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 4, 1, 4, dtype=torch.float64, requires_grad=True)
+    cache = _cache(6, 4, torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k: rope(q, k, cache), (q, k))
+    # rope is linear: its backward op has a gradient too (the forward rotation).
+    assert torch.autograd.gradcheck(
+        lambda q, k: torch.ops.qwentitan.rope_backward(q, k, cache), (q, k)
+    )
+    v = torch.randn(1, 4, 1, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: causal_attention(q, k, v, 0.3), (q, k, v))
+    hidden, aff, gate_up, down, tpid, b2e, block = _experts_args(
+        torch.float64, grad=True, tokens=3, experts=2, top_k=2, block=2
+    )
+    assert torch.autograd.gradcheck(
+        lambda h, a, gu, d: grouped_experts(h, a, gu, d, tpid, b2e, block),
+        (hidden, aff, gate_up, down),
+    )
+
+
+def test_rope_matches_the_rotate_half_formula_exactly_and_leaves_the_cache_without_grad():
+    q, k, cache = _rope_args(grad=True)
+    cache.requires_grad_(True)
+    q_out, k_out = rope(q, k, cache)
+    cos, sin = cache[None, :8, None, :8], cache[None, :8, None, 8:]
+
+    def rot(x):
+        return torch.cat([-x[..., 4:], x[..., :4]], -1)
+
+    assert (q_out - (q * cos + rot(q) * sin)).abs().max().item() == 0.0
+    assert (k_out - (k * cos + rot(k) * sin)).abs().max().item() == 0.0
+    (q_out.sum() + k_out.sum()).backward()
+    assert cache.grad is None and q.grad is not None
+
+
+def test_rope_rejects_a_cache_shorter_than_the_sequence():
+    q, k, _ = _rope_args()
+    with pytest.raises(KernelError, match="max_seq_len"):
+        rope(q, k, _cache(4, 8))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_attention_matches_sdpa_causal_gqa_forward_and_backward(groups):
+    torch.manual_seed(0)
+    q = torch.randn(2, 32, 4, 16, requires_grad=True)
+    k = torch.randn(2, 32, 4 // groups, 16, requires_grad=True)
+    v = torch.randn(2, 32, 4 // groups, 16, requires_grad=True)
+    out = causal_attention(q, k, v)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_lse_is_the_log_sum_exp_of_the_causal_scores():
+    q, k, v, scale = _attention_args()
+    _, lse = torch.ops.qwentitan.causal_attention(q, k, v, scale)
+    scores = scale * q.transpose(1, 2) @ k.repeat_interleave(2, 2).transpose(1, 2).transpose(2, 3)
+    scores = scores.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+    assert lse.shape == (2, 4, 8) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_math_twin_used_off_cpu_matches_the_cpu_twin():
+    q, k, v, scale = _attention_args(torch.float64)
+    out, lse = torch.ops.qwentitan.causal_attention(q, k, v, scale)
+    m_out, m_lse = _math_forward(q, k, v, scale)
+    torch.testing.assert_close(m_out, out)
+    torch.testing.assert_close(m_lse, lse)
+    grad = torch.randn_like(out)
+    cpu = torch.ops.qwentitan.causal_attention_backward(grad, q, k, v, out, lse, scale)
+    for g, w in zip(_math_backward(grad, q, k, v, out, lse, scale), cpu, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_block_routing_follows_the_contract_example():
+    tpid, b2e = block_routing(torch.tensor([0, 1, 0, 2, 0, 1]), num_experts=3, block_size=2)
+    assert b2e.tolist() == [0, 0, 1, 2]
+    assert tpid.tolist() == [0, 2, 4, 6, 1, 5, 3, 6]  # 6 = number of tokens = empty slot
+    assert tpid.dtype == b2e.dtype == torch.int32
+    assert num_blocks(6, 3, 2) == 4
+
+
+def test_block_routing_gives_leftover_blocks_to_the_last_expert():
+    tpid, b2e = block_routing(torch.zeros(4, 1, dtype=torch.long), num_experts=3, block_size=2)
+    assert b2e.tolist() == [0, 0, 2]  # worst case ceil((4 - 2) / 2) + 2 = 3 blocks
+    assert tpid.tolist() == [0, 1, 2, 3, 4, 4]
+
+
+def test_grouped_experts_match_a_dense_per_expert_loop_forward_and_backward():
+    hidden, aff, gate_up, down, tpid, b2e, block = _experts_args(grad=True, tokens=10, block=4)
+    out = grouped_experts(hidden, aff, gate_up, down, tpid, b2e, block)
+    ref = torch.zeros_like(out)
+    for e in range(gate_up.shape[0]):
+        act = F.silu(hidden @ gate_up[e, :, 0]) * (hidden @ gate_up[e, :, 1])
+        ref = ref + (act @ down[e]) * aff[:, e : e + 1]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    leaves = (hidden, gate_up, down)
+    for g, w in zip(
+        torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad), strict=True
+    ):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_ops_compile_fullgraph():
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, k, v, cache, hidden, aff, gate_up, down, tpid, b2e):
+        q, k = rope(q, k, cache)
+        out = causal_attention(q, k, v)
+        return out.sum() + grouped_experts(hidden, aff, gate_up, down, tpid, b2e, 4).sum()
+
+    q, k, cache = _rope_args(grad=True)
+    v = torch.randn(2, 8, 2, 8, requires_grad=True)
+    hidden, aff, gate_up, down, tpid, b2e, _ = _experts_args(grad=True)
+    step(q, k, v, cache, hidden, aff, gate_up, down, tpid, b2e).backward()
+    assert q.grad is not None and gate_up.grad is not None
+
+
+def test_numerics_report_on_cpu():
+    report = numerics_report("rope")
+    assert report.forward_max_abs_diff == 0.0 and set(report.grad_max_abs_diff) == {"q", "k"}
+    attention = numerics_report("causal_attention")
+    assert attention.worst < 1e-4
+    with pytest.raises(KernelError, match="no numerics report"):
+        numerics_report("flash")
