@@ -74,13 +74,13 @@ def test_sigkill_of_one_rank_restarts_the_group_from_the_last_checkpoint(tmp_pat
     proc = launch(
         [
             "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "2",
-            "--steps", "24", "--checkpoint-interval", "4", "--max-restarts", "1",
+            "--steps", "10", "--checkpoint-interval", "2", "--max-restarts", "1",
             "--dump-folder", str(run_dir),
         ],
         log,
     )  # fmt: skip
     try:
-        wait_for(lambda: 8 in saved_steps(checkpoints), 400, "the step-8 checkpoint", proc)
+        wait_for(lambda: 4 in saved_steps(checkpoints), 400, "the step-4 checkpoint", proc)
         victim = _ranks(proc.pid)[-1]
         victim.send_signal(signal.SIGKILL)
         code = proc.wait(timeout=600)
@@ -93,20 +93,20 @@ def test_sigkill_of_one_rank_restarts_the_group_from_the_last_checkpoint(tmp_pat
     # Steps after the restart start again just after a saved checkpoint, and the run ends at 24.
     restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     resumed_from = steps[restart] - 1
-    assert resumed_from % 4 == 0 and resumed_from >= 8
-    assert steps[restart:] == list(range(resumed_from + 1, 25))
-    assert saved_steps(checkpoints)[-1] == 24
+    assert resumed_from % 2 == 0 and resumed_from >= 4
+    assert steps[restart:] == list(range(resumed_from + 1, 11))
+    assert saved_steps(checkpoints)[-1] == 10
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_a_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoint"
     args = ["--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "2",
-            "--steps", "40", "--checkpoint-interval", "100", "--dump-folder", str(run_dir)]  # fmt: skip
+            "--steps", "8", "--checkpoint-interval", "100", "--dump-folder", str(run_dir)]  # fmt: skip
     first = tmp_path / "first.log"
     proc = launch(args, first)
     try:
-        wait_for(lambda: len(logged_steps(first.read_text())) >= 3, 400, "three steps", proc)
+        wait_for(lambda: len(logged_steps(first.read_text())) >= 2, 400, "two steps", proc)
         os.kill(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=300)
     finally:
@@ -116,7 +116,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_a_resume_continues(tmp_path):
     assert code == 0, text[-4000:]
     assert "SIGTERM received" in text
     saved = saved_steps(checkpoints)
-    assert len(saved) == 1 and 3 <= saved[0] < 40, saved
+    assert len(saved) == 1 and 2 <= saved[0] < 8, saved
     stopped_at = saved[0]
     assert logged_steps(text)[-1] == stopped_at
 
@@ -124,5 +124,5 @@ def test_sigterm_checkpoints_at_the_next_step_and_a_resume_continues(tmp_path):
     proc = launch(args, second)
     assert proc.wait(timeout=600) == 0, second.read_text()[-4000:]
     resumed = logged_steps(second.read_text())
-    assert resumed == list(range(stopped_at + 1, 41))
-    assert saved_steps(checkpoints)[-1] == 40
+    assert resumed == list(range(stopped_at + 1, 9))
+    assert saved_steps(checkpoints)[-1] == 8

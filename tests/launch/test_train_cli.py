@@ -17,7 +17,10 @@ def refused(capsys, *argv):
 
 def test_unknown_recipe(capsys):
     message = refused(capsys, "--recipe", "tiny_gpt")
-    assert message == "Unknown recipe 'tiny_gpt'; choose one of tiny_dense, tiny_hf, tiny_moe, tiny_moe_kernels."
+    assert (
+        message
+        == "Unknown recipe 'tiny_gpt'; choose one of tiny_dense, tiny_hf, tiny_moe, tiny_moe_kernels."
+    )
 
 
 def test_missing_dataset_path(capsys, tmp_path):

@@ -48,8 +48,11 @@ def qwen3_30b_a3b_folder() -> str:
 def _model_spec(flavor: str, path: str):
     from qwentitan.modeling import model_spec
 
-    # Neuron has no Inductor, so no FlexAttention: SDPA, which the Neuron backend lowers.
-    return model_spec(flavor, path, attn_backend="sdpa")
+    from qwentitan.launch.platforms import get_platform
+
+    # The attention that trains on Trainium (SDPA: no Inductor there, so no FlexAttention),
+    # whatever host the plan is made on.
+    return model_spec(flavor, path, attn_backend=get_platform("neuron").attention)
 
 
 def _ours(config) -> Trainer.Config:
