@@ -14,9 +14,10 @@ from qwentitan.launch.preflight.report import CheckResult
 
 # Above this size the round trip converts one layer (plus embeddings and norms), for speed.
 ROUND_TRIP_FULL_LIMIT = 1 << 30
-# Loaded weights must give at most this fraction of a random initialisation's loss (the guide
-# saw 6.54 against 12.43 for Qwen3-4B, a ratio of 0.53).
-INIT_LOSS_RATIO = 0.75
+# Loaded weights must give at most this fraction of a random initialisation's loss. The guide
+# saw 6.54 against 12.43 for Qwen3-4B (0.53); a tiny model after 40 CPU steps reaches about 0.7,
+# while weights that did not load, or were never trained, sit near 1.0.
+INIT_LOSS_RATIO = 0.8
 
 
 def weights_folder(plan: LaunchPlan, override: str | None = None) -> Path:

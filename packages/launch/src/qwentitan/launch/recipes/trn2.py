@@ -46,9 +46,8 @@ def qwen3_30b_a3b_folder() -> str:
 
 
 def _model_spec(flavor: str, path: str):
-    from qwentitan.modeling import model_spec
-
     from qwentitan.launch.platforms import get_platform
+    from qwentitan.modeling import model_spec
 
     # The attention that trains on Trainium (SDPA: no Inductor there, so no FlexAttention),
     # whatever host the plan is made on.
