@@ -11,7 +11,7 @@ import pytest
 
 from qwentitan.launch.preemption import (
     PreemptionWatch,
-    ignore_preemption_signals,
+    ignore_sigusr1,
     ranks_of,
     supervise,
 )
@@ -71,7 +71,7 @@ def test_ranks_agree_when_only_one_received_the_signal(tmp_path):
         assert "first=None" in line and "second=SIGUSR1 received" in line
 
 
-def test_agent_ignores_preemption_signals_but_ranks_can_handle_them(tmp_path):
+def test_agent_ignores_sigusr1_only(tmp_path):
     probe = subprocess.run(
         [
             sys.executable,
@@ -79,11 +79,11 @@ def test_agent_ignores_preemption_signals_but_ranks_can_handle_them(tmp_path):
             "import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,"
             " signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)",
         ],
-        preexec_fn=ignore_preemption_signals,
+        preexec_fn=ignore_sigusr1,
         capture_output=True,
         text=True,
     )
-    assert probe.stdout.split() == ["True", "True"]
+    assert probe.stdout.split() == ["False", "True"]
 
 
 def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path):

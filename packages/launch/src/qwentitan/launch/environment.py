@@ -24,8 +24,11 @@ EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAF
 
 
 def plan_env(topology: Topology, *, nodes: int, compile_cache: str) -> dict[str, str]:
-    """Environment every rank of a node needs; empty for the local CPU."""
-    env: dict[str, str] = {}
+    """Environment every rank of a node needs (torchrun restarts; Neuron; EFA across nodes)."""
+    # torchrun's c10d rendezvous shares its TCPStore with the ranks by default, and torch 2.14
+    # does not prefix the ranks' keys per restart attempt: after a --max-restarts restart, gloo
+    # reads the dead ranks' addresses. With sharing off, rank 0 hosts a fresh store each attempt.
+    env: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if topology.device_type == "neuron":
         # The runtime's LNC and the compiler's --lnc must be equal or the NEFF fails to load.
         env["NEURON_LOGICAL_NC_CONFIG"] = str(topology.lnc)

@@ -8,9 +8,10 @@ job a short grace period. Two halves:
   next step boundary the trainer asks `stop_requested()`, which all-reduces the flag so every
   rank stops at the same step even when only some received the signal, then saves a full
   checkpoint and returns normally (exit code 0);
-- in `qwentitan-launch run`, the torchrun agent is started with both signals ignored and the
-  supervisor forwards them to the ranks. torchrun's agent would otherwise die of SIGUSR1 (it does
-  not handle it) or answer SIGTERM by terminating the ranks before they can checkpoint.
+- in `qwentitan-launch run`, a supervisor forwards both signals to the ranks, and starts the
+  torchrun agent with SIGUSR1 ignored: the agent does not handle it and would die of it. A
+  SIGTERM that reaches the agent itself (SLURM signals every process of a step) makes it send
+  SIGTERM to the ranks and wait 30 s before SIGKILL: a step plus a checkpoint must fit in that.
 
 A later run with the same dump folder resumes from that checkpoint; torchrun's
 `--max-restarts` does the same after a crash, from the last interval checkpoint.
@@ -66,10 +67,13 @@ class PreemptionWatch:
         return f"{signal.Signals(agreed).name} received (preemption): checkpointing and exiting"
 
 
-def ignore_preemption_signals() -> None:
-    """preexec_fn for the torchrun agent: it must outlive the ranks' checkpoint (see module doc)."""
-    for sig in PREEMPTION_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+def ignore_sigusr1() -> None:
+    """preexec_fn for the torchrun agent, which has no SIGUSR1 handler (see module doc).
+
+    SIGTERM keeps its default: ranks inherit dispositions, and one ignoring SIGTERM before its
+    PreemptionWatch is installed could not be stopped by torchrun after a failure.
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def ranks_of(agent_pid: int) -> list[int]:
@@ -86,8 +90,8 @@ def ranks_of(agent_pid: int) -> list[int]:
 
 
 def supervise(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Run torchrun (`argv`) immune to preemption signals, forwarding them to its ranks."""
-    agent = subprocess.Popen(list(argv), env=env, preexec_fn=ignore_preemption_signals)
+    """Run torchrun (`argv`), forwarding preemption signals to its ranks; its exit code."""
+    agent = subprocess.Popen(list(argv), env=env, preexec_fn=ignore_sigusr1)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for pid in ranks_of(agent.pid):
