@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from qwentitan.launch.environment import merged_env
@@ -60,31 +61,30 @@ def run(args: argparse.Namespace) -> int:
 
     check_host(plan)
     env = merged_env(plan)
-    env[PLATFORM_ENV] = plan.topology.device_type
+    env[PLATFORM_ENV] = plan.topology.device_type  # every rank trains on what was planned
+    if plan.topology.device_type == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.ranks_per_node)))
     argv = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args()[1:]]
     return supervise(argv, env)
 
 
 def check_host(plan: LaunchPlan) -> None:
     """Refuse to launch where the planned devices are not, after the plan has been printed."""
-    import torch
+    from qwentitan.launch.platforms import get_platform
 
     device = plan.topology.device_type
-    if device == "neuron":
-        count = torch.neuron.device_count() if hasattr(torch, "neuron") else 0
-        if count == 0:
-            raise LaunchError(
-                f"This host has no Neuron devices (torch-neuronx is not loaded), so the "
-                f"{plan.topology.name} plan above cannot run here; launch it on a "
-                f"{plan.topology.name} or add --dry-run."
-            )
-        if count < plan.ranks_per_node:
-            raise LaunchError(
-                f"This host shows {count} Neuron cores but the plan needs {plan.ranks_per_node} "
-                f"per node; check NEURON_LOGICAL_NC_CONFIG / --lnc or pass --ranks-per-node {count}."
-            )
-    elif device == "cuda" and torch.cuda.device_count() < plan.ranks_per_node:
+    if device == "cpu":
+        return
+    count = get_platform(device).max_ranks
+    if device == "neuron" and count == 0:
         raise LaunchError(
-            f"This host has {torch.cuda.device_count()} CUDA devices but the plan needs "
-            f"{plan.ranks_per_node}; pass --ranks-per-node or --instance cpu."
+            f"This host has no Neuron devices (torch-neuronx is not loaded), so the "
+            f"{plan.topology.name} plan above cannot run here; launch it on a "
+            f"{plan.topology.name} or add --dry-run."
+        )
+    if count < plan.ranks_per_node:
+        unit = "Neuron cores" if device == "neuron" else "CUDA devices"
+        raise LaunchError(
+            f"This host shows {count} {unit} but the plan needs {plan.ranks_per_node} per node; "
+            f"check --lnc / NEURON_LOGICAL_NC_CONFIG or pass --ranks-per-node {count}."
         )
