@@ -3,7 +3,8 @@
 Measured: the peak of live tensor bytes (every storage torch allocates, freed when its last
 reference goes) while torchtitan's own Trainer builds the tiny recipe on one CPU rank and trains
 two steps. That is what the estimate models; RSS would add the interpreter and libraries.
-Stated margin: the estimate is within 35% of the measured peak.
+Stated margin: the estimate is within 35% of the measured peak (measured here: estimate 321 MiB,
+peak 341-414 MiB across runs; the estimate runs low, by 6-22%).
 """
 
 import json
@@ -35,8 +36,11 @@ MEASURE = textwrap.dedent(
         def add(self, t):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 return
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
+            try:
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                return
             if key == 0 or key in self.live:
                 return
             self.live[key] = storage.nbytes()
@@ -67,7 +71,7 @@ MEASURE = textwrap.dedent(
 
 @pytest.mark.slow
 def test_estimate_matches_measured_peak_of_tiny_recipe(tmp_path):
-    overrides = ["--training.steps", "2", "--dump-folder", str(tmp_path / "run"),
+    overrides = ["--training.steps", "2", "--dump-folder", str(tmp_path / "run"), "--checkpoint.no-enable",
                  "--training.disable-cuda-graphs"]  # fmt: skip
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1, steps=2,
                         dump_folder=str(tmp_path / "run"))  # fmt: skip

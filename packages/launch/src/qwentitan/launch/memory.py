@@ -9,7 +9,8 @@ The estimate counts what FSDP2 training with torchtitan keeps on one rank:
   plus the block's unsharded gradients before the reduce-scatter;
 - activations saved for backward, per token of the local batch, for the chosen activation
   checkpointing mode (formula in `_layer_activation_elems`);
-- logits of the loss: torchtitan's ChunkedLossWrapper materialises one chunk at a time.
+- logits of the loss: torchtitan's ChunkedLossWrapper materialises one chunk at a time;
+- the optimizer step's temporaries (foreach AdamW) and the embedding's dense gradient.
 
 It ignores runtime reserves, allocator fragmentation and compiler scratch, which is why a
 plan is refused above `USABLE_FRACTION` of the device's memory rather than at 100%.
@@ -206,6 +207,12 @@ def estimate_memory(
     logits = (
         tokens * shape.vocab * (compute_dtype_bytes + 8) / max(loss_chunks, 1) / tensor_parallel
     )
+
+    # AdamW's foreach step allocates about two parameter-sized temporaries (the bias-corrected
+    # second moment's square root and the update), and the embedding's backward a dense
+    # gradient before it is accumulated: transient, but at the step's peak.
+    local_params = dense_params / dense_shards + shape.expert_params / expert_shards
+    transient += training_dtype_bytes * (2 * local_params + shape.embedding_params / dense_shards)
 
     total = int(sharded + transient + activations + logits)
     return MemoryEstimate(
