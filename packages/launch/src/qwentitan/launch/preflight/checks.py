@@ -120,21 +120,25 @@ def check_seq_len(plan: LaunchPlan) -> CheckResult:
 
 
 def planned_checkpoint_bytes(plan: LaunchPlan) -> int:
-    """Bytes the run's checkpoints take at most: kept full states plus the HF export."""
+    """Bytes the run's checkpoints take at most: the kept interval saves plus the final one."""
     params = plan.model_shape.params if plan.model_shape else 0
     ckpt = plan.config.checkpoint
     if not getattr(ckpt, "enable", False):
         return 0
     interval = max(int(getattr(ckpt, "interval", plan.steps) or plan.steps), 1)
-    saves = plan.steps // interval + 1
-    keep = getattr(ckpt, "keep_latest_k", 0) or saves
+    # Interval saves before the last step; the last step's save is the final one.
+    before_last = (plan.steps - 1) // interval
+    keep = getattr(ckpt, "keep_latest_k", 0) or before_last
     training = 4 if plan.config.training.dtype == "float32" else 2
-    # model + AdamW's two moments, in the training dtype, per kept step
-    full_state = params * training * 3
-    export = params * {"float16": 2, "bfloat16": 2}.get(getattr(ckpt, "export_dtype", "float32"), 4)
-    return min(keep, saves) * full_state + (
-        export if getattr(ckpt, "last_save_in_hf", False) else 0
-    )
+    full_state = params * training * 3  # model + AdamW's two moments
+    export = {"float16": 2, "bfloat16": 2}.get(getattr(ckpt, "export_dtype", "float32"), 4)
+    if getattr(ckpt, "last_save_in_hf", False):
+        final = params * export
+    elif getattr(ckpt, "last_save_model_only", True):
+        final = params * training
+    else:
+        final = full_state
+    return min(keep, before_last) * full_state + final
 
 
 def check_disk(plan: LaunchPlan) -> CheckResult:

@@ -105,6 +105,9 @@ def qwen3_4b_native() -> Trainer.Config:
     config.hf_assets_path = qwen3_4b_folder()
     config.training.local_batch_size = 1
     config.training.global_batch_size = 64
+    # torchtitan's recipe leaves checkpoints off; a long rented run needs them to survive
+    # preemption (every `interval` = 500 steps, full state, resumed by the next run).
+    config.checkpoint.enable = True
     return config
 
 
@@ -119,4 +122,5 @@ def qwen3_moe_kernels() -> Trainer.Config:
     config.training.local_batch_size = 1
     config.training.steps = 10
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=-1, expert_parallel_degree=1)
+    config.checkpoint.enable = True
     return config
