@@ -49,7 +49,11 @@ def tests(session: nox.Session) -> None:
 @nox.parametrize("package", PACKAGES)
 def isolation(session: nox.Session, package: str) -> None:
     """One package, built as a wheel, alone with its declared dependencies: import it, run its tests."""
-    _sync(session, "--package", f"qwentitan-{package}", "--no-editable", "--group", "test")
+    # --reinstall-package: uv would otherwise reuse a cached wheel whose version has not changed.
+    name = f"qwentitan-{package}"
+    _sync(
+        session, "--package", name, "--no-editable", "--reinstall-package", name, "--group", "test"
+    )
     session.run("python", "-c", _IMPORT_CHECK.format(package=package))
     _pytest(session, f"tests/{package}")
 

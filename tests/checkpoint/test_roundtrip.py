@@ -179,3 +179,26 @@ def test_to_hf_reads_a_training_checkpoint_saved_one_file_per_rank(make_hf, help
     assert before.keys() == after.keys()
     assert all(helpers.bitwise_equal(before[k], after[k]) for k in before)
     assert verify(src, tmp_path / "step-7").ok
+
+
+def test_to_dcp_keeps_at_most_the_budget_in_flight(make_hf, helpers, tmp_path, monkeypatch):
+    from qwentitan.checkpoint import convert, dcp_io
+
+    budgets = []
+
+    class Recording(dcp_io.MemoryBudget):
+        def __init__(self, limit):
+            super().__init__(limit)
+            budgets.append(self)
+
+    monkeypatch.setattr(convert, "MEMORY_BUDGET", 1)  # so the largest tensor sets the limit
+    monkeypatch.setattr(convert.dcp_io, "MemoryBudget", Recording)
+    src = make_hf(moe=True, tied=False)
+    to_dcp(src, tmp_path / "dcp")
+    stacked = helpers.EXPERTS * helpers.MOE_FFN * helpers.HIDDEN * 2  # bf16 bytes of one w1_EFD
+    embedding = 48 * helpers.HIDDEN * 2
+    (budget,) = budgets
+    assert budget.limit == max(stacked, embedding)
+    assert 0 < budget.peak <= budget.limit  # one stacked expert group at a time, never two
+    assert budget._used == 0  # every tensor was retired
+    assert verify(src, tmp_path / "dcp").ok

@@ -40,7 +40,7 @@ def test_corpus_and_tokenizer_are_identical_across_builds(two_builds):
     texts = [json.loads(line)["text"] for line in corpus1.read_text().splitlines()]
     assert len(texts) > 100 and sum(map(len, texts)) > 1_000_000  # help topics + docstrings
     a, b = (Tokenizer.from_file(str(t / "tokenizer.json")) for t in (tok1, tok2))
-    sample = "\n".join(texts[:: len(texts) // 10])
+    sample = "\n".join(texts[:300])
     ids = a.encode(sample).ids
     assert ids == b.encode(sample).ids
     assert len(set(ids)) > 1000

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
 from transformers import AutoModelForCausalLM
 
 from qwentitan.modeling import (
@@ -21,7 +22,12 @@ from qwentitan.modeling import (
     param_counts,
 )
 from qwentitan.modeling.hf_path import parallelize_hf_qwen3
-from qwentitan.modeling.hf_weights import hub_to_memory, read_hub_state_dict
+from qwentitan.modeling.hf_weights import (
+    HubFolder,
+    hub_to_memory,
+    read_hub_state_dict,
+    read_memory_tensor,
+)
 
 from .conftest import hf_logits
 
@@ -98,7 +104,7 @@ def test_incomplete_checkpoint_is_refused(tiny_moe_folder, tiny_dense_folder, tm
         hub_to_memory(read_hub_state_dict(tiny_moe_folder), get_flavor("tiny-dense"))
     _, model = _build("tiny-moe")
     with pytest.raises(ModelingError, match=r"does not fit flavor 'tiny-moe'.*missing"):
-        model.load_hub_state_dict(read_hub_state_dict(tiny_dense_folder))
+        model.load_hub_folder(HubFolder(tiny_dense_folder))
     (tmp_path / "config.json").write_text(json.dumps(flavor_to_hf_config("tiny-dense").to_dict()))
     with pytest.raises(ModelingError, match=r"No \*\.safetensors file"):
         _build("tiny-dense", tmp_path)
@@ -178,3 +184,50 @@ def test_trains_on_cpu_and_takes_torchtitans_positions():
     ).backward()
     assert model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_shard_reads_only_its_region(tiny_moe_folder):
+    flavor = get_flavor("tiny-moe")
+    full = hub_to_memory(read_hub_state_dict(tiny_moe_folder), flavor)
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    with HubFolder(tiny_moe_folder) as hub:
+        region = (slice(2, 5), slice(10, 100), slice(0, 64))
+        assert torch.equal(
+            read_memory_tensor(hub, key, flavor, region, (3, 90, 64)), full[key][region]
+        )
+        down = "model.layers.0.mlp.experts.down_proj"
+        region = (slice(6, 8), slice(0, 64), slice(3, 40))
+        assert torch.equal(
+            read_memory_tensor(hub, down, flavor, region, (2, 64, 37)),
+            full[down][region],
+        )
+        norm = "model.layers.0.input_layernorm.weight"
+        assert torch.equal(
+            read_memory_tensor(hub, norm, flavor, (slice(16, 48),), (32,)), full[norm][16:48]
+        )
+        empty = read_memory_tensor(
+            hub, key, flavor, (slice(8, 8), slice(0, 128), slice(0, 64)), (0, 128, 64)
+        )
+        assert empty.shape == (0, 128, 64)
+
+
+def test_torchtitans_activation_checkpointing_wraps_the_transformers_layers(tokens):
+    spec, model = _build("tiny-moe")
+    assert spec.post_optimizer_build_fn is None  # nothing to balance in transformers' MoE
+    with torch.no_grad():
+        before = model(tokens)
+    parallelize_hf_qwen3(
+        model,
+        parallel_dims=SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False),
+        training=TrainingConfig(),
+        parallelism=ParallelismConfig(),
+        compile_config=SimpleNamespace(enable=False, components=[]),
+        ac_config=FullAC.Config(),
+        dump_folder="",
+    )
+    assert all(type(layer).__name__ == "CheckpointWrapper" for layer in model.layers)
+    model.train()
+    logits = model(tokens)
+    logits.sum().backward()
+    assert torch.equal(logits.detach(), before)
+    assert model.model.model.embed_tokens.weight.grad is not None

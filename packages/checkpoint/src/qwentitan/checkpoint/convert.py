@@ -50,7 +50,13 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
 
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     producers = {}
+    aliases: dict[str, str] = {}  # the tied lm_head: same bytes as the embedding, stored once
+    first_of: dict[tuple[str, ...], str] = {}
     for t in layout.titan_tensors():
+        if t.hf_names and t.hf_names in first_of:
+            aliases[t.name] = first_of[t.hf_names]
+            continue
+        first_of[t.hf_names] = t.name
         if not t.hf_names:  # expert_bias_E: torchtitan's load-balancing buffer starts at zero
             specs[t.name] = (t.shape, torch.float32)
             producers[t.name] = lambda shape=t.shape: torch.zeros(shape, dtype=torch.float32)
@@ -73,6 +79,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
             threads=THREADS,
             budget=dcp_io.MemoryBudget(max(MEMORY_BUDGET, _largest(specs))),
             on_written=advance,
+            aliases=aliases,
         )
         for name in _SIDE_FILES:
             if (src / name).is_file():
@@ -194,7 +201,7 @@ def to_hf(
                     if f.done() and not f.cancelled():
                         f.result()
         finally:
-            writer.close()
+            writer.close(sync=False)  # staged_folder syncs the folder before the rename
         _write_side_files(tmp, cfg, Path(config), export_dtype)
     if dropped_bias:
         warnings.warn(

@@ -8,6 +8,8 @@ loading, which also reassembles tensors saved in shards by a multi-rank training
 
 from __future__ import annotations
 
+import os
+import pickle
 import threading
 import warnings
 import weakref
@@ -19,7 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from qwentitan.checkpoint.errors import CheckpointError
 
@@ -35,6 +38,7 @@ class MemoryBudget:
 
     def __init__(self, limit: int):
         self.limit = limit
+        self.peak = 0  # the most bytes ever in flight at once
         self._used = 0
         self._cond = threading.Condition()
 
@@ -43,6 +47,7 @@ class MemoryBudget:
         with self._cond:
             self._cond.wait_for(lambda: self._used + nbytes <= self.limit)
             self._used += nbytes
+            self.peak = max(self.peak, self._used)
         return nbytes
 
     def release(self, nbytes: int) -> None:
@@ -65,6 +70,30 @@ def _quiet_single_process() -> Iterator[None]:
         # DCP warns that it runs without a process group: exactly what an offline converter wants.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         yield
+
+
+class _RetiringFileSystem(FileSystem):
+    """DCP's local file system, telling the planner when a written file is closed."""
+
+    def __init__(self, on_close: Callable[[], None]):
+        super().__init__()
+        self._on_close = on_close
+
+    @contextmanager
+    def create_stream(self, path, mode):  # type: ignore[override]
+        with super().create_stream(path, mode) as stream:
+            yield stream
+        self._on_close()
+
+
+class _InFlight:
+    """The tensor a writer thread is writing, until that thread asks for its next one."""
+
+    __slots__ = ("__weakref__", "finalizer", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.finalizer: weakref.finalize | None = None
 
 
 class _LazySavePlanner(DefaultSavePlanner):
@@ -96,12 +125,11 @@ class _LazySavePlanner(DefaultSavePlanner):
         previous = getattr(self._last, "item", None)
         if previous is None:
             return
-        tensor_ref, finalizer = previous
         self._last.item = None
-        tensor = tensor_ref()
-        if tensor is not None:
-            tensor.untyped_storage().resize_(0)
-        finalizer()  # counts the bytes as written and returns them to the budget, once
+        storage = previous.tensor.untyped_storage()
+        if storage.resizable():  # it is on disk; DCP's alias of it is never read again
+            storage.resize_(0)
+        previous.finalizer()  # counts the bytes as written and returns them to the budget, once
 
     def _written(self, taken: int, nbytes: int) -> None:
         self._budget.release(taken)
@@ -124,9 +152,12 @@ class _LazySavePlanner(DefaultSavePlanner):
             self.error = self.error or e
             raise
         self.resolved.add(fqn)
-        # Also fires when a writer thread ends and drops its last tensor.
-        finalizer = weakref.finalize(tensor, self._written, taken, tensor.nbytes)
-        self._last.item = (weakref.ref(tensor), finalizer)
+        # The thread-local record holds the tensor itself: DCP keeps only a detached alias of
+        # it, so watching the returned object would release the budget at once. The record
+        # also dies with its writer thread, which then returns the bytes.
+        record = _InFlight(tensor)
+        record.finalizer = weakref.finalize(record, self._written, taken, tensor.nbytes)
+        self._last.item = record
         return tensor
 
     def finish_thread(self) -> None:
@@ -141,18 +172,36 @@ def save(
     threads: int,
     budget: MemoryBudget,
     on_written: Callable[[int], None],
+    aliases: dict[str, str] | None = None,
 ) -> None:
-    """Write a DCP checkpoint of `specs` (fqn -> shape, dtype), one file per tensor."""
+    """Write a DCP checkpoint of `specs` (fqn -> shape, dtype), one file per tensor.
+
+    `aliases` (fqn -> fqn in `specs`) are recorded in the metadata as a second name for the
+    same stored bytes, the way a tied lm_head is the embedding: written once, loadable by both
+    names.
+    """
     meta = {
         fqn: torch.empty(shape, dtype=dtype, device="meta") for fqn, (shape, dtype) in specs.items()
     }
+    crc32 = torch.serialization.get_crc32_options()
+    # The zip checksums torch.save computes cost CPU time at disk speed and are not checked
+    # on load; DCP's own integrity is the metadata and the rename of .metadata at the end.
+    torch.serialization.set_crc32_options(False)
     planner = _LazySavePlanner(producers, budget, on_written)
     # One file per tensor: with one file per thread, FileSystemWriter keeps every tensor of a
     # file referenced until the file is closed, i.e. the whole model.
-    writer = FileSystemWriter(folder, single_file_per_rank=False, thread_count=threads)
+    # No fsync per file: the caller syncs the whole folder once before renaming it into place.
+    writer = FileSystemWriter(
+        folder, single_file_per_rank=False, thread_count=threads, sync_files=False
+    )
+    # Each file holds one tensor: when its stream closes, that tensor is on disk, so retire it
+    # there and then (a thread that waits in join() must not keep holding the budget).
+    writer.fs = _RetiringFileSystem(planner.finish_thread)
     try:
         with _quiet_single_process():
             dcp.save(meta, storage_writer=writer, planner=planner, no_dist=True)
+        if aliases:
+            _add_aliases(folder, aliases)
     except BaseException:  # DCP's CheckpointException derives from BaseException
         # When the calling thread fails, DCP returns without joining its other writer
         # threads; wait for them so nothing writes into the folder after it is removed.
@@ -163,11 +212,27 @@ def save(
         raise
     finally:
         planner.finish_thread()
+        torch.serialization.set_crc32_options(crc32)
     if planner.error is not None:
         raise planner.error
     if planner.resolved != set(specs):
         missing = sorted(set(specs) - planner.resolved)
         raise RuntimeError(f"DCP save skipped {len(missing)} tensors, first {missing[0]!r}")
+
+
+def _add_aliases(folder: Path, aliases: dict[str, str]) -> None:
+    path = folder / METADATA
+    with open(path, "rb") as f:
+        metadata: Metadata = pickle.load(f)
+    for alias, target in aliases.items():
+        metadata.state_dict_metadata[alias] = metadata.state_dict_metadata[target]
+        for index, info in list(metadata.storage_data.items()):
+            if index.fqn == target:
+                metadata.storage_data[MetadataIndex(alias, index.offset, index.index)] = info
+    tmp = folder / f"{METADATA}.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(metadata, f)
+    os.replace(tmp, path)
 
 
 class DCPFolder:

@@ -9,6 +9,7 @@ their offsets from any thread, so independent tensors are written concurrently.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from dataclasses import dataclass
@@ -16,12 +17,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import _TYPES as _SAFETENSORS_DTYPES
 
 from qwentitan.checkpoint.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# The safetensors format's dtype names (its spec), for the dtypes torch has.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -159,12 +177,12 @@ class HFFolder:
 
 
 def read_into(stored: StoredTensor, out: torch.Tensor) -> None:
-    raw = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
-    if raw is None:
+    if out.numel() == 0:
         return
+    raw = byte_view(out)
     with open(stored.file, "rb", buffering=0) as f:
         f.seek(stored.start)
-        view = memoryview(raw)
+        view = raw
         done = 0
         while done < stored.nbytes:
             got = f.readinto(view[done:])
@@ -174,6 +192,17 @@ def read_into(stored: StoredTensor, out: torch.Tensor) -> None:
                     "during conversion, re-download it."
                 )
             done += got
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes.
+
+    Not `tensor.numpy()`: exporting to numpy marks the storage non-resizable for good, and the
+    DCP writer frees each written tensor's storage by resizing it to zero.
+    """
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    array = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
 
 
 def parse_size(text: str | int) -> int:
@@ -261,7 +290,8 @@ class ShardedWriter:
         fd, offset, nbytes = self.where[name]
         if tensor.numel() == 0:
             return
-        view = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+        tensor = tensor.contiguous()
+        view = byte_view(tensor)
         assert len(view) == nbytes, name
         done = 0
         while done < nbytes:

@@ -100,11 +100,11 @@ def causal_attention_reference(q, k, v, scale):
     _check(q, k, v)
     if q.device.type != "cpu":
         return _math_forward(q, k, v, scale)
-    groups = q.shape[2] // k.shape[2]
+    # PyTorch's cpu flash kernel reads grouped kv heads itself: no expanded copies of k and v.
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2),
-        _expand_kv(k.transpose(1, 2), groups),
-        _expand_kv(v.transpose(1, 2), groups),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
         0.0,
         True,
         scale=scale,
@@ -117,19 +117,18 @@ def causal_attention_backward_reference(grad_out, q, k, v, out, lse, scale):
     _check(q, k, v)
     if q.device.type != "cpu":
         return _math_backward(grad_out, q, k, v, out, lse, scale)
-    groups = q.shape[2] // k.shape[2]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out.transpose(1, 2),
         q.transpose(1, 2),
-        _expand_kv(k.transpose(1, 2), groups),
-        _expand_kv(v.transpose(1, 2), groups),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
         out.transpose(1, 2),
-        lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32),
+        lse,
         0.0,
         True,
         scale=scale,
     )
-    return _fold_back(dq, dk, dv, q, k, groups)
+    return _fold_back(dq, dk, dv, q, k, groups=1)  # dk, dv already summed per kv head
 
 
 def _check_nki(q: torch.Tensor, k: torch.Tensor, backward: bool) -> None:

@@ -3,6 +3,8 @@
 from importlib import import_module
 from importlib.metadata import version as _version
 
+from qwentitan.launch.platforms import Platform, current_platform, get_platform
+
 __version__ = _version("qwentitan-launch")
 
 # Launch planning (trn2 topology, plans, preflight, SLURM, preemption), imported on first use so
@@ -26,7 +28,7 @@ _LAZY = {
     "run_preflight": "qwentitan.launch.preflight",
 }
 
-__all__ = ["__version__", *sorted(_LAZY)]
+__all__ = ["Platform", "__version__", "current_platform", "get_platform", *sorted(_LAZY)]
 
 
 def __getattr__(name: str):

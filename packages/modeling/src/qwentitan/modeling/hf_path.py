@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torchtitan.components.optimizer import register_moe_load_balancing_hook
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.protocols.model import BaseModel
@@ -29,7 +29,13 @@ from qwentitan.modeling.counts import flops_per_token
 from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import Flavor
 from qwentitan.modeling.hf_config import flavor_to_hf_config
-from qwentitan.modeling.hf_weights import hub_to_memory, memory_to_hub, read_hub_state_dict
+from qwentitan.modeling.hf_weights import (
+    HubFolder,
+    hub_to_memory,
+    memory_keys,
+    memory_to_hub,
+    read_memory_tensor,
+)
 
 _ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "flex": "flex_attention"}
 _PREFIX = "model."  # HFQwen3Model keeps the transformers model as its child `model`
@@ -114,44 +120,52 @@ class HFQwen3Model(BaseModel):
         with torch.no_grad():
             self.model.init_weights()
             if self.config.hf_folder is not None:
-                self.load_hub_state_dict(read_hub_state_dict(self.config.hf_folder))
+                with HubFolder(self.config.hf_folder) as hub:
+                    self.load_hub_folder(hub)
 
-    def load_hub_state_dict(self, hub: dict[str, torch.Tensor]) -> None:
-        """Copy Hub-layout tensors into this model, exactly: every key, every shape, or an error.
-
-        Works on plain and on FSDP-sharded (DTensor) parameters: each rank keeps its shard.
-        """
+    def load_hub_folder(self, hub: HubFolder) -> None:
+        """Copy a Hub-layout checkpoint into this model, exactly: every key, every shape, or an
+        error. Plain parameters are read whole; FSDP-sharded (DTensor) ones read only this
+        rank's shard, so no rank ever holds the whole checkpoint."""
         flavor = self.config.flavor
-        memory = hub_to_memory(hub, flavor)
         params = dict(self.model.named_parameters())  # tied weights appear once
-        missing, unexpected = (
-            sorted(params.keys() - memory.keys()),
-            sorted(memory.keys() - params.keys()),
-        )
+        found = memory_keys(hub.names(), flavor)
+        missing, unexpected = sorted(params.keys() - found), sorted(found - params.keys())
         if missing or unexpected:
             raise ModelingError(
-                f"The checkpoint does not fit flavor {flavor.name!r}: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}; pass the flavor the folder was saved from."
+                f"The checkpoint in {hub.folder} does not fit flavor {flavor.name!r}: missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]}; pass the flavor it was saved from."
             )
         with torch.no_grad():
             for name, param in params.items():
-                value = memory[name]
-                if tuple(value.shape) != tuple(param.shape):
-                    raise ModelingError(
-                        f"Tensor {name} has shape {tuple(value.shape)} in the checkpoint but "
-                        f"{tuple(param.shape)} in flavor {flavor.name!r}; pass the right flavor."
-                    )
+                self._check_shape(hub, name, tuple(param.shape))
                 if isinstance(param, DTensor):
-                    # src_data_rank=None: every rank holds the full tensor, so no collective.
-                    local = distribute_tensor(
-                        value.to(param.dtype),
-                        param.device_mesh,
-                        param.placements,
-                        src_data_rank=None,
-                    ).to_local()
-                    param.to_local().copy_(local)
+                    shape, offset = compute_local_shape_and_global_offset(
+                        param.shape, param.device_mesh, param.placements
+                    )
+                    target = param.to_local()
                 else:
-                    param.copy_(value)
+                    shape, offset, target = tuple(param.shape), (0,) * param.dim(), param
+                region = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                target.copy_(read_memory_tensor(hub, name, flavor, region, tuple(shape)))
+
+    def _check_shape(self, hub: HubFolder, name: str, expected: tuple[int, ...]) -> None:
+        f = self.config.flavor
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate = hub.shape(name.removesuffix("gate_up_proj") + "0.gate_proj.weight")
+            actual = (f.num_experts, 2 * gate[0], gate[1])
+        elif name.endswith("mlp.experts.down_proj"):
+            actual = (
+                f.num_experts,
+                *hub.shape(name.removesuffix("down_proj") + "0.down_proj.weight"),
+            )
+        else:
+            actual = hub.shape(name)
+        if actual != expected:
+            raise ModelingError(
+                f"Tensor {name} has shape {actual} in {hub.folder} but {expected} in flavor "
+                f"{f.name!r}; pass the flavor the folder was saved from."
+            )
 
     def hub_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's weights in the Hub layout (per-expert tensors, tied head omitted)."""
@@ -229,6 +243,8 @@ def hf_model_spec(flavor: Flavor, *, hf_folder: str | Path | None, attn_backend:
         model=config,
         parallelize_fn=parallelize_hf_qwen3,
         pipelining_fn=None,
-        post_optimizer_build_fn=register_moe_load_balancing_hook,
+        # transformers' Qwen3-MoE has no expert-bias balancing to update (and torchtitan's hook
+        # asserts its own ModuleDict of layers)
+        post_optimizer_build_fn=None,
         state_dict_adapter=HFQwen3StateDictAdapter,
     )

@@ -9,8 +9,10 @@ through these two functions, so only the Hub layout is ever seen outside it.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -23,20 +25,105 @@ _HUB_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_p
 _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
+Region = tuple[slice, ...]
+
+
+class HubFolder:
+    """Lazy, sliceable access to a model folder's safetensors (nothing read until asked).
+
+    Under FSDP each rank asks only for its own shard, so loading a 30B model on 64 ranks
+    reads the checkpoint once in total, not 64 times. Use as a context manager.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ModelingError(
+                f"No *.safetensors file in {folder}; pass a folder written by save_pretrained "
+                "or downloaded from the Hub."
+            )
+        self._stack = ExitStack()
+        self._handles = {
+            f.name: self._stack.enter_context(safe_open(f, framework="pt")) for f in files
+        }
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.file_of = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            self.file_of = {k: name for name, h in self._handles.items() for k in h.keys()}  # noqa: SIM118
+
+    def __enter__(self) -> HubFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        """Every tensor name in the folder, as on the Hub."""
+        return list(self.file_of)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[key]].get_slice(key).get_shape())
+
+    def read(self, key: str, region: Region | None = None) -> torch.Tensor:
+        handle = self._handles[self.file_of[key]]
+        return handle.get_tensor(key) if region is None else handle.get_slice(key)[region]
+
+
 def read_hub_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the ``*.safetensors`` files in a model folder, keyed as on the Hub."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
+    with HubFolder(folder) as hub:
+        return {key: hub.read(key) for key in hub.names()}
+
+
+def memory_keys(hub_keys: Iterable[str], flavor: Flavor) -> set[str]:
+    """The in-memory keys a set of Hub keys converts to; incomplete experts are an error."""
+    out: set[str] = set()
+    experts: dict[str, dict[str, set[int]]] = {}
+    for key in hub_keys:
+        if m := _HUB_EXPERT.match(key):
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), set()).add(int(m.group(2)))
+        elif not (flavor.tie_word_embeddings and key == "lm_head.weight"):
+            out.add(key)
+    if experts and not flavor.is_moe:
         raise ModelingError(
-            f"No *.safetensors file in {folder}; pass a folder written by save_pretrained "
-            "or downloaded from the Hub."
+            f"The checkpoint holds MoE experts but flavor {flavor.name!r} is dense; pass the "
+            "MoE flavor it was saved from."
         )
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                state[key] = f.get_tensor(key)
-    return state
+    for prefix, projs in experts.items():
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            missing = sorted(set(range(flavor.num_experts)) - projs.get(proj, set()))
+            if missing or len(projs.get(proj, ())) != flavor.num_experts:
+                raise ModelingError(
+                    f"{prefix}.*.{proj}.weight has {len(projs.get(proj, ()))} of "
+                    f"{flavor.num_experts} experts (missing {missing[:8]}); the checkpoint does "
+                    f"not match flavor {flavor.name!r}."
+                )
+        out |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
+    return out
+
+
+def read_memory_tensor(
+    hub: HubFolder, key: str, flavor: Flavor, region: Region, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The ``region`` (one slice per dim) of in-memory tensor ``key``, read from the Hub files;
+    for fused experts only the experts inside the region are read."""
+    m = _FUSED_EXPERT.match(key)
+    if m is None:
+        return hub.read(key, region)
+    prefix, kind = m.group(1), m.group(2)
+    rows, rest = region[0], region[1:]
+    parts = []
+    for e in range(flavor.num_experts)[rows]:
+        if kind == "gate_up_proj":
+            gate, up = (hub.read(f"{prefix}.{e}.{p}.weight") for p in ("gate_proj", "up_proj"))
+            parts.append(torch.cat([gate, up])[rest])
+        else:
+            parts.append(hub.read(f"{prefix}.{e}.down_proj.weight")[rest])
+    if not parts:  # an FSDP rank that holds no expert of this layer
+        return torch.empty(shape)
+    return torch.stack(parts)
 
 
 def hub_to_memory(hub: Mapping[str, torch.Tensor], flavor: Flavor) -> dict[str, torch.Tensor]:
@@ -49,21 +136,11 @@ def hub_to_memory(hub: Mapping[str, torch.Tensor], flavor: Flavor) -> dict[str, 
             experts.setdefault(prefix, {}).setdefault(proj, {})[expert] = value
         else:
             out[key] = value
-    if experts and not flavor.is_moe:
-        raise ModelingError(
-            f"The checkpoint holds MoE experts but flavor {flavor.name!r} is dense; pass the "
-            "MoE flavor it was saved from."
-        )
+    memory_keys(list(hub), flavor)  # validates: experts complete, MoE only for MoE flavors
     for prefix, projs in experts.items():
         stacked = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            found = projs.get(proj, {})
-            if sorted(found) != list(range(flavor.num_experts)):
-                missing = sorted(set(range(flavor.num_experts)) - set(found))
-                raise ModelingError(
-                    f"{prefix}.*.{proj}.weight has {len(found)} of {flavor.num_experts} experts "
-                    f"(missing {missing[:8]}); the checkpoint does not match flavor {flavor.name!r}."
-                )
+            found = projs[proj]
             stacked[proj] = torch.stack([found[e] for e in range(flavor.num_experts)])
         out[f"{prefix}.gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
         out[f"{prefix}.down_proj"] = stacked["down_proj"]

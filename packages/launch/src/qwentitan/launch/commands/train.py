@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             f"--stop-after {args.stop_after} is not between 1 and --steps {steps} (exclusive); "
             "pass a step inside the run."
         )
-    platform.check_seq_len(seq_len, config.model_spec.model.max_seq_len)
+    platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
     if args.local_batch_size is not None and args.local_batch_size < 1:
         raise LaunchError("--local-batch-size must be 1 or more.")
     if args.dataset is not None:
@@ -122,6 +122,14 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return subprocess.run(command, env=_rank_environment(platform, ranks)).returncode
+
+
+def _max_positions(model: object) -> int:
+    """The longest sequence the model's RoPE table holds (native: `max_seq_len`; hf: the flavor's)."""
+    flavor = getattr(model, "flavor", None)
+    if flavor is not None:
+        return flavor.max_position_embeddings
+    return model.max_seq_len
 
 
 def _prepare_checkpoints(folder: Path, *, resume: bool, steps: int) -> None:

@@ -21,7 +21,7 @@ from qwentitan.launch.platforms import current_platform
 from qwentitan.launch.trainer import Trainer
 from qwentitan.modeling import get_flavor, model_spec
 
-__all__ = ["metrics_config", "tiny_dense", "tiny_hf", "tiny_moe", "tiny_moe_kernels"]
+__all__ = ["metrics_config", "tiny_dense", "tiny_moe", "tiny_moe_kernels"]
 
 SEED = 0
 
@@ -36,6 +36,7 @@ def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer
     # The platform names the attention that trains there (SDPA on CPU: FlexAttention has no
     # CPU backward); qwentitan.modeling builds the model with it.
     spec = model_spec(get_flavor(flavor), path, attn_backend=platform.attention)
+    vocab = get_flavor(flavor).vocab_size
     steps = 40
     return Trainer.Config(
         model_spec=spec,
@@ -44,14 +45,14 @@ def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer
         metrics=metrics_config(),
         dataloader=TextDataLoader.Config(dataset=OFFLINE),
         loss=ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size),
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab),
         ),
         optimizer=default_adamw(lr=lr),
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1
         ),
         training=TrainingConfig(
-            local_batch_size=2,
+            local_batch_size=4,
             seq_len=128,
             steps=steps,
             # float32 end to end: CPUs have no fast bfloat16 path, and it keeps resume exact.
@@ -83,11 +84,6 @@ def tiny_dense() -> Trainer.Config:
 def tiny_moe() -> Trainer.Config:
     """MoE tiny Qwen3 (top-k router, softmax scores) on the offline corpus."""
     return _tiny("tiny_moe", "tiny-moe", lr=1e-2)
-
-
-def tiny_hf() -> Trainer.Config:
-    """`tiny_dense` with the model built by transformers v5 (the `hf` path)."""
-    return _tiny("tiny_hf", "tiny-dense", path="hf", lr=1e-2)
 
 
 def tiny_moe_kernels() -> Trainer.Config:
