@@ -124,3 +124,18 @@ def mlflow_ui(session: nox.Session) -> None:
         "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", "5000",
         *session.posargs,
     )  # fmt: skip
+
+
+@nox.session
+def train_trn2(session: nox.Session) -> None:
+    """A trn2.48xlarge recipe: `-- --recipe qwen3_4b_hf|qwen3_4b_native|qwen3_moe_kernels [--dry-run]`.
+
+    Launches torchrun on a host with Neuron devices. On any other host it prints the plan and
+    fails with one sentence (the CLI exits 2); `--dry-run` prints the plan anywhere. Untested on
+    Trainium: nothing in this repository has run there.
+    """
+    _sync(session, "--all-packages")
+    args = list(session.posargs)
+    if not any(a == "--instance" or a.startswith("--instance=") for a in args):
+        args += ["--instance", "trn2.48xlarge"]
+    session.run("qwentitan-launch", "run", *args)

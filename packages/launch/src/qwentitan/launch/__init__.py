@@ -1,9 +1,37 @@
 """qwentitan.launch: see packages/launch/README.md for the public API."""
 
+from importlib import import_module
 from importlib.metadata import version as _version
 
 from qwentitan.launch.platforms import Platform, current_platform, get_platform
 
 __version__ = _version("qwentitan-launch")
 
-__all__ = ["Platform", "__version__", "current_platform", "get_platform"]
+# Launch planning (trn2 topology, plans, preflight, SLURM, preemption), imported on first use so
+# that `import qwentitan.launch` stays light.
+_LAZY = {
+    "INSTANCES": "qwentitan.launch.topology",
+    "Instance": "qwentitan.launch.topology",
+    "Topology": "qwentitan.launch.topology",
+    "get_topology": "qwentitan.launch.topology",
+    "LaunchPlan": "qwentitan.launch.plan",
+    "ParallelDegrees": "qwentitan.launch.plan",
+    "resolve_plan": "qwentitan.launch.plan",
+    "MemoryEstimate": "qwentitan.launch.memory",
+    "ModelShape": "qwentitan.launch.memory",
+    "estimate_memory": "qwentitan.launch.memory",
+    "PreemptionWatch": "qwentitan.launch.preemption",
+    "SlurmOptions": "qwentitan.launch.slurm",
+    "render_sbatch": "qwentitan.launch.slurm",
+    "write_sbatch": "qwentitan.launch.slurm",
+    "PreflightReport": "qwentitan.launch.preflight",
+    "run_preflight": "qwentitan.launch.preflight",
+}
+
+__all__ = ["Platform", "__version__", "current_platform", "get_platform", *sorted(_LAZY)]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'qwentitan.launch' has no attribute {name!r}")

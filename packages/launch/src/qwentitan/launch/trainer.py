@@ -29,6 +29,7 @@ from torchtitan import trainer as torchtitan_trainer
 from torchtitan.tools.logging import logger
 
 from qwentitan.launch.platforms import Platform, current_platform
+from qwentitan.launch.preemption import PreemptionWatch
 
 __all__ = [
     "Trainer",
@@ -84,10 +85,14 @@ class Trainer(torchtitan_trainer.Trainer):
 
     config: Config
     platform: Platform
+    preemption: PreemptionWatch
 
     def __init__(self, config: Config) -> None:
         self.platform = current_platform()
         use_platform(self.platform)
+        # Installed before the model is built: a preemption during start-up is then honoured at
+        # the first step boundary instead of killing the rank without a checkpoint.
+        self.preemption = PreemptionWatch().install()
         super().__init__(config)
         if self.platform.backend == "gloo":
             force_sum_reduction(self.model_parts)
@@ -101,12 +106,13 @@ class Trainer(torchtitan_trainer.Trainer):
     def stop_reason(self) -> str | None:
         """Why training should stop at this step boundary, or None to go on.
 
-        The launcher's preemption handling (SIGTERM / SIGUSR1) extends this.
+        Besides `--stop-after`: a preemption signal (SIGTERM / SIGUSR1) received by any rank,
+        agreed across ranks by `PreemptionWatch` so that all stop at the same step.
         """
         stop_after = self.config.stop_after
         if stop_after is not None and self.step >= stop_after:
             return f"--stop-after {stop_after} reached"
-        return None
+        return self.preemption.stop_requested(self.device)
 
     def at_step_boundary(self) -> bool:
         """Run between two steps (after checkpoint and validation); False ends training."""

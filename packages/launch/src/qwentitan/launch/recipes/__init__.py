@@ -1,7 +1,8 @@
 """Recipes: functions returning a torchtitan `Trainer.Config`.
 
-Use them through `qwentitan-launch train --recipe NAME`, or directly with torchtitan:
-`python -m torchtitan.train --module qwentitan.launch.recipes --config tiny_dense`.
+Use them through `qwentitan-launch train --recipe NAME` (tiny, this machine),
+`qwentitan-launch run --recipe NAME` (any instance, one node or many), or directly with
+torchtitan: `python -m torchtitan.train --module qwentitan.launch.recipes --config tiny_dense`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,20 @@ from qwentitan.launch.recipes.tiny import (
     tiny_moe,
     tiny_moe_kernels,
 )
+from qwentitan.launch.recipes.trn2 import (
+    TRN2_RECIPES,
+    qwen3_4b_hf,
+    qwen3_4b_native,
+    qwen3_moe_kernels,
+)
 
 __all__ = [
+    "TRN2_RECIPES",
     "get_recipe",
     "metrics_config",
+    "qwen3_4b_hf",
+    "qwen3_4b_native",
+    "qwen3_moe_kernels",
     "recipe_names",
     "tiny_dense",
     "tiny_moe",
@@ -31,6 +42,9 @@ _RECIPES: dict[str, Callable[[], Trainer.Config]] = {
     "tiny_dense": tiny_dense,
     "tiny_moe": tiny_moe,
     "tiny_moe_kernels": tiny_moe_kernels,
+    "qwen3_4b_hf": qwen3_4b_hf,
+    "qwen3_4b_native": qwen3_4b_native,
+    "qwen3_moe_kernels": qwen3_moe_kernels,
 }
 
 

@@ -1,0 +1,40 @@
+"""`qwentitan-launch preflight`: check a recipe's run before paying for it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from qwentitan.launch.plan_cli import add_plan_arguments, plan_from_args
+
+NAME = "preflight"
+HELP = (
+    "Check versions, devices, LNC, the sequence-length rule, the weights folder, an HF -> DCP -> "
+    "HF round trip, kernel numerics, the initialisation loss and free disk; print a pass/fail "
+    "report (checks that need the target device are skipped elsewhere). Exit 1 if any fails."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_plan_arguments(parser)
+    parser.add_argument("--weights", help="HF model folder (default: the recipe's)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--mlflow",
+        nargs="?",
+        const=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
+        help="attach the report to an MLflow run (tracking URI; default $MLFLOW_TRACKING_URI or "
+        "sqlite:///mlflow.db; $MLFLOW_RUN_ID picks the run)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from qwentitan.launch.preflight import run_preflight
+
+    plan = plan_from_args(args)
+    report = run_preflight(plan, weights_dir=args.weights)
+    print(report.to_json() if args.json else report.render())
+    if args.mlflow:
+        run_id = report.log_to_mlflow(args.mlflow, os.environ.get("MLFLOW_RUN_ID"))
+        print(f"report attached to MLflow run {run_id}")
+    return 0 if report.passed else 1

@@ -1,0 +1,81 @@
+"""The environment of every rank: the Neuron runtime and compiler settings, EFA across nodes.
+
+The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's `--lnc` must be equal or the
+compiled NEFF fails to load (shared/reference/neuron.md); they are written together here and
+any conflicting value already in the shell is refused rather than silently overridden.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.topology import Topology
+
+if TYPE_CHECKING:
+    from qwentitan.launch.plan import LaunchPlan
+
+# EFA settings AWS uses for multi-node collectives (torchtitan's multinode_trainer.slurm and the
+# Neuron EFA setup guide); libfabric reads them. Not verified on a trn2 cluster.
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+
+
+def plan_env(topology: Topology, *, nodes: int, compile_cache: str) -> dict[str, str]:
+    """Environment every rank of a node needs (torchrun restarts; Neuron; EFA across nodes)."""
+    # torchrun's c10d rendezvous shares its TCPStore with the ranks by default, and torch 2.14
+    # does not prefix the ranks' keys per restart attempt: after a --max-restarts restart, gloo
+    # reads the dead ranks' addresses. With sharing off, rank 0 hosts a fresh store each attempt.
+    env: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if topology.device_type == "neuron":
+        # The runtime's LNC and the compiler's --lnc must be equal or the NEFF fails to load.
+        env["NEURON_LOGICAL_NC_CONFIG"] = str(topology.lnc)
+        env["NEURON_CC_FLAGS"] = f"--lnc={topology.lnc}"
+        env["NEURON_RT_VISIBLE_CORES"] = topology.visible_cores()
+        env["NEURON_PLATFORM_TARGET_OVERRIDE"] = topology.instance.compile_target or ""
+        env["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(Path(compile_cache).expanduser())
+    if nodes > 1 and topology.instance.efa:
+        env.update(EFA_ENV)
+    return env
+
+
+def lnc_in_compiler_flags(flags: str) -> int | None:
+    """The --lnc value in a NEURON_CC_FLAGS string, if any (`--lnc=2`, `--lnc 2`, `--logical-nc-config`)."""
+    words = shlex.split(flags)
+    for i, word in enumerate(words):
+        for name in ("--lnc", "--logical-nc-config"):
+            if word.startswith(name + "="):
+                return int(word.split("=", 1)[1])
+            if word == name and i + 1 < len(words):
+                return int(words[i + 1])
+    return None
+
+
+def merged_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The host environment with the plan's on top, refusing a conflicting LNC already set."""
+    env = dict(os.environ if base is None else base)
+    if plan.topology.device_type == "neuron":
+        runtime = env.get("NEURON_LOGICAL_NC_CONFIG")
+        if runtime not in (None, str(plan.lnc)):
+            raise LaunchError(
+                f"NEURON_LOGICAL_NC_CONFIG={runtime} is set in this shell but the plan uses LNC "
+                f"{plan.lnc}; unset it or pass --lnc {runtime}."
+            )
+        flags = env.get("NEURON_CC_FLAGS", "")
+        compiler = lnc_in_compiler_flags(flags)
+        if compiler not in (None, plan.lnc):
+            raise LaunchError(
+                f"NEURON_CC_FLAGS sets --lnc={compiler} but the plan uses LNC {plan.lnc}; "
+                f"remove it from NEURON_CC_FLAGS or pass --lnc {compiler}."
+            )
+        if compiler is None and flags:
+            plan_flags = f"{flags} {plan.env['NEURON_CC_FLAGS']}"
+        else:
+            plan_flags = flags or plan.env["NEURON_CC_FLAGS"]
+        env.update(plan.env)
+        env["NEURON_CC_FLAGS"] = plan_flags
+        return env
+    env.update(plan.env)
+    return env

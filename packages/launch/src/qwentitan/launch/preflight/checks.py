@@ -1,0 +1,213 @@
+"""Preflight checks of the host and the plan: versions, devices, LNC, sequence length, disk, kernels."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import shutil
+from pathlib import Path
+
+from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.plan import LaunchPlan
+from qwentitan.launch.preflight.report import CheckResult
+
+GIB = 1024**3
+
+# The matrix the README's "Tested matrix" lists: version prefixes that were run.
+TESTED = {
+    "torch": "2.14.",
+    "torchtitan": "0.3.0",
+    "transformers": "5.",
+    "safetensors": "0.8.",
+    "mlflow": "3.",
+}
+# Needed on Trainium only; torch-neuronx 2.14.3 is built against torch 2.14.
+TESTED_NEURON = {"torch-neuronx": "2.14.3"}
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def check_versions(plan: LaunchPlan) -> CheckResult:
+    wanted = dict(TESTED)
+    if plan.topology.device_type == "neuron" and host_device_type() == "neuron":
+        wanted.update(TESTED_NEURON)
+    found = {name: _installed(name) for name in wanted}
+    bad = [
+        f"{n} {v or 'missing'} (tested {wanted[n]}*)"
+        for n, v in found.items()
+        if v is None or not v.startswith(wanted[n])
+    ]
+    figures = {n: v for n, v in found.items()}
+    if bad:
+        return CheckResult("versions", "fail", "; ".join(bad), figures)
+    listed = ", ".join(f"{n} {v}" for n, v in found.items())
+    note = ""
+    if plan.topology.device_type == "neuron" and host_device_type() != "neuron":
+        note = "; torch-neuronx not checked on this non-Neuron host"
+    return CheckResult("versions", "pass", listed + note, figures)
+
+
+def host_device_type() -> str:
+    """The device this host would train on (asks the platform layer, the one place that decides)."""
+    from qwentitan.launch.platforms import current_platform
+
+    return current_platform().device_type
+
+
+def check_devices(plan: LaunchPlan) -> CheckResult:
+    from qwentitan.launch.platforms import get_platform
+
+    wanted = plan.topology.device_type
+    if host_device_type() != wanted:
+        return CheckResult(
+            "devices",
+            "skip",
+            f"this host has no {wanted} devices; the plan needs {plan.ranks_per_node} per node",
+        )
+    have = get_platform(wanted).max_ranks
+    figures = {"devices": have, "ranks_per_node": plan.ranks_per_node}
+    status = "pass" if have >= plan.ranks_per_node else "fail"
+    unit = "logical cores" if wanted == "neuron" else ("GPUs" if wanted == "cuda" else "CPU slots")
+    return CheckResult(
+        "devices", status, f"{have} {unit} for {plan.ranks_per_node} ranks per node", figures
+    )
+
+
+def check_lnc(plan: LaunchPlan) -> CheckResult:
+    if plan.topology.device_type != "neuron":
+        return CheckResult("lnc", "skip", "LNC applies to Trainium only")
+    runtime = plan.env.get("NEURON_LOGICAL_NC_CONFIG")
+    compiler = lnc_in_compiler_flags(plan.env.get("NEURON_CC_FLAGS", ""))
+    figures = {"plan_lnc": plan.lnc, "runtime": runtime, "compiler": compiler}
+    if runtime != str(plan.lnc) or compiler != plan.lnc:
+        return CheckResult(
+            "lnc", "fail", f"runtime LNC {runtime} and compiler --lnc {compiler} differ", figures
+        )
+    try:
+        env = merged_env(plan)  # refuses a conflicting value already set in this shell
+    except LaunchError as error:
+        return CheckResult("lnc", "fail", str(error), figures)
+    figures["shell_cc_flags"] = env.get("NEURON_CC_FLAGS")
+    return CheckResult(
+        "lnc",
+        "pass",
+        f"NEURON_LOGICAL_NC_CONFIG={runtime} and NEURON_CC_FLAGS --lnc={compiler} agree "
+        f"(this shell included)",
+        figures,
+    )
+
+
+def check_seq_len(plan: LaunchPlan) -> CheckResult:
+    multiple = plan.topology.seq_len_multiple
+    figures = {"seq_len": plan.seq_len, "multiple_of": multiple}
+    if plan.topology.device_type != "neuron":
+        return CheckResult(
+            "seq_len", "skip", f"no tiling rule on {plan.topology.device_type}", figures
+        )
+    ok = plan.seq_len % multiple == 0
+    return CheckResult(
+        "seq_len",
+        "pass" if ok else "fail",
+        f"{plan.seq_len} is {'' if ok else 'not '}a multiple of {multiple} (128 x LNC {plan.lnc})",
+        figures,
+    )
+
+
+def planned_checkpoint_bytes(plan: LaunchPlan) -> int:
+    """Bytes the run's checkpoints take at most: the kept interval saves plus the final one."""
+    params = plan.model_shape.params if plan.model_shape else 0
+    ckpt = plan.config.checkpoint
+    if not getattr(ckpt, "enable", False):
+        return 0
+    interval = max(int(getattr(ckpt, "interval", plan.steps) or plan.steps), 1)
+    # Interval saves before the last step; the last step's save is the final one.
+    before_last = (plan.steps - 1) // interval
+    keep = getattr(ckpt, "keep_latest_k", 0) or before_last
+    training = 4 if plan.config.training.dtype == "float32" else 2
+    full_state = params * training * 3  # model + AdamW's two moments
+    export = {"float16": 2, "bfloat16": 2}.get(getattr(ckpt, "export_dtype", "float32"), 4)
+    if getattr(ckpt, "last_save_in_hf", False):
+        final = params * export
+    elif getattr(ckpt, "last_save_model_only", True):
+        final = params * training
+    else:
+        final = full_state
+    return min(keep, before_last) * full_state + final
+
+
+def check_disk(plan: LaunchPlan) -> CheckResult:
+    folder = Path(plan.config.dump_folder).expanduser().resolve()
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    need = planned_checkpoint_bytes(plan)
+    figures = {
+        "folder": str(folder),
+        "free_gib": round(free / GIB, 2),
+        "needed_gib": round(need / GIB, 3),
+    }
+    ok = free >= need * 1.1
+    return CheckResult(
+        "disk",
+        "pass" if ok else "fail",
+        f"{free / GIB:.1f} GiB free at {probe}, checkpoints need about {need / GIB:.2f} GiB"
+        + ("" if ok else "; free space or point --dump-folder elsewhere"),
+        figures,
+    )
+
+
+def uses_custom_ops(plan: LaunchPlan) -> bool:
+    """Whether the model config holds a component from qwentitan's kernel replacements."""
+    seen: set[int] = set()
+
+    def walk(node: object) -> bool:
+        if id(node) in seen or node is None or isinstance(node, (str, int, float, bool)):
+            return False
+        seen.add(id(node))
+        if type(node).__module__.startswith(("qwentitan.kernels", "qwentitan.modeling.kernel")):
+            return True
+        if isinstance(node, (list, tuple)):
+            return any(walk(v) for v in node)
+        if isinstance(node, dict):
+            return any(walk(v) for v in node.values())
+        fields = getattr(node, "__dataclass_fields__", None)
+        return bool(fields) and any(walk(getattr(node, f, None)) for f in fields)
+
+    spec = plan.config.model_spec
+    return spec is not None and walk(spec.model)
+
+
+def check_kernels(plan: LaunchPlan) -> CheckResult:
+    if not uses_custom_ops(plan):
+        return CheckResult("kernels", "skip", "this recipe uses no custom ops")
+    from qwentitan.kernels import numerics_report
+    from qwentitan.kernels.numerics import OPS
+
+    device = host_device_type()
+    reports = {op: numerics_report(op, device) for op in OPS}
+    # The reference twins are exact on CPU; NKI kernels in bf16-accumulating tiles are not.
+    tolerance = 1e-4 if device == "cpu" else 2e-2
+    figures = {op: r.worst for op, r in reports.items()}
+    bad = [op for op, r in reports.items() if not r.worst <= tolerance]
+    summary = ", ".join(f"{op} {r.worst:.2e}" for op, r in reports.items())
+    where = f"on {device}" + (
+        "" if device == plan.topology.device_type else f" (not {plan.topology.device_type})"
+    )
+    return CheckResult(
+        "kernels",
+        "fail" if bad else "pass",
+        f"max |op - reference| {where}: {summary} (tolerance {tolerance:g})",
+        figures,
+    )
+
+
+def env_summary() -> dict[str, str]:
+    keys = ("NEURON_LOGICAL_NC_CONFIG", "NEURON_CC_FLAGS", "NEURON_RT_VISIBLE_CORES")
+    return {k: os.environ[k] for k in keys if k in os.environ}

@@ -1,0 +1,126 @@
+"""The three trn2.48xlarge recipes, one per implementation path (see shared/DESIGN.md).
+
+Each is a torchtitan config-registry function (`--module qwentitan.launch.recipes --config
+<name>`) returning a Trainer.Config sized for one trn2.48xlarge at LNC=2: 64 ranks, FSDP over
+all of them. None of them has been run on Trainium (see the README); `qwentitan-launch plan`
+and `preflight` check them on any host.
+
+Local folders (a trn2 host has them on its own disk; nothing is downloaded at run time):
+
+- `QWENTITAN_QWEN3_4B_DIR` (default `./assets/hf/Qwen3-4B-Instruct-2507`): the Hugging Face
+  model folder of Qwen3-4B-Instruct-2507 (config.json, tokenizer.json, safetensors).
+- `QWENTITAN_QWEN3_30B_A3B_DIR` (default `./assets/hf/Qwen3-30B-A3B`): its tokenizer is
+  used by the MoE recipe, whose weights start from a random initialisation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
+
+from qwentitan.launch.trainer import Trainer
+
+TRN2_RECIPES = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
+
+__all__ = ["TRN2_RECIPES", "qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"]
+
+
+def qwen3_4b_folder() -> str:
+    # Absolute: torchtitan requires it for `initial_load_path`.
+    folder = os.environ.get("QWENTITAN_QWEN3_4B_DIR", "./assets/hf/Qwen3-4B-Instruct-2507")
+    return str(Path(folder).expanduser().resolve())
+
+
+def qwen3_30b_a3b_folder() -> str:
+    folder = os.environ.get("QWENTITAN_QWEN3_30B_A3B_DIR", "./assets/hf/Qwen3-30B-A3B")
+    return str(Path(folder).expanduser().resolve())
+
+
+def _model_spec(flavor: str, path: str):
+    from qwentitan.launch.platforms import get_platform
+    from qwentitan.modeling import model_spec
+
+    # The attention that trains on Trainium (SDPA: no Inductor there, so no FlexAttention),
+    # whatever host the plan is made on.
+    return model_spec(flavor, path, attn_backend=get_platform("neuron").attention)
+
+
+def _ours(config) -> Trainer.Config:
+    """Re-home a torchtitan Trainer.Config as ours (platform glue, preemption, early stop)."""
+    return Trainer.Config(**{f.name: getattr(config, f.name) for f in fields(config) if f.init})
+
+
+def _loss(flavor: str) -> ChunkedLossWrapper.Config:
+    from qwentitan.modeling import get_flavor
+
+    vocab = get_flavor(flavor).vocab_size
+    return ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab))
+
+
+def qwen3_4b_hf() -> Trainer.Config:
+    """Transformers v5 Qwen3-4B-Instruct-2507 from its local folder, fine-tuned 10 steps.
+
+    As in the guide: c4_test-style text, local batch 1 on each of 64 ranks (FSDP over all),
+    HF weights loaded at the start and the final model written back as HF safetensors.
+    """
+    folder = qwen3_4b_folder()
+    spec = _model_spec("qwen3-4b", "hf")
+    return Trainer.Config(
+        model_spec=spec,
+        hf_assets_path=folder,
+        loss=_loss("qwen3-4b"),
+        metrics=MetricsProcessor.Config(log_freq=1),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),
+        training=TrainingConfig(local_batch_size=1, seq_len=4096, steps=10, dtype="float32"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        activation_checkpoint=FullAC.Config(),
+        compile=CompileConfig(enable=False),
+        checkpoint=CheckpointManager.Config(
+            enable=True,
+            interval=10,
+            initial_load_path=folder,
+            initial_load_in_hf=True,
+            initial_load_model_only=True,
+            last_save_in_hf=True,
+            last_save_model_only=True,
+            export_dtype="bfloat16",
+        ),
+    )
+
+
+def qwen3_4b_native() -> Trainer.Config:
+    """torchtitan's Qwen3 from its own 32B recipe, overridden to the 4B flavor, global batch 64."""
+    config = _ours(torchtitan_qwen3.qwen3_32b())
+    config.model_spec = _model_spec("qwen3-4b", "native")
+    config.loss = _loss("qwen3-4b")
+    config.hf_assets_path = qwen3_4b_folder()
+    config.training.local_batch_size = 1
+    config.training.global_batch_size = 64
+    # torchtitan's recipe leaves checkpoints off; a long rented run needs them to survive
+    # preemption (every `interval` = 500 steps, full state, resumed by the next run).
+    config.checkpoint.enable = True
+    return config
+
+
+def qwen3_moe_kernels() -> Trainer.Config:
+    """Qwen3-30B-A3B cut to 4 layers (64 experts, top-4) in eager mode with qwentitan's custom
+    ops for experts, attention and RoPE (NKI on Trainium, reference twins elsewhere)."""
+    config = _ours(torchtitan_qwen3.qwen3_30b_a3b())
+    config.model_spec = _model_spec("qwen3-30b-a3b-4l", "moe-kernels")
+    config.loss = _loss("qwen3-30b-a3b-4l")
+    config.hf_assets_path = qwen3_30b_a3b_folder()
+    config.compile = CompileConfig(enable=False)  # eager: the custom ops run as they are
+    config.training.local_batch_size = 1
+    config.training.steps = 10
+    config.parallelism = ParallelismConfig(data_parallel_shard_degree=-1, expert_parallel_degree=1)
+    config.checkpoint.enable = True
+    return config

@@ -1,0 +1,82 @@
+"""Two torchrun agents on this machine join one c10d rendezvous over loopback as two "nodes"."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], log: Path) -> subprocess.Popen:
+    """`qwentitan-launch run ARGS` on the CPU platform, output to `log`."""
+    env = dict(os.environ, QWENTITAN_PLATFORM="cpu", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "qwentitan.launch.cli", "run", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def saved_steps(checkpoints: Path) -> list[int]:
+    if not checkpoints.is_dir():
+        return []
+    return sorted(
+        int(m.group(1))
+        for p in checkpoints.iterdir()
+        if (m := STEP_DIR.fullmatch(p.name)) and (p / ".metadata").exists()
+    )
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended (code {proc.returncode}) before {what}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def logged_steps(text: str) -> list[int]:
+    """Step numbers of torchtitan's per-step metric lines ("step:  3  loss: ...")."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)  # torchtitan colours its metric lines
+    return [int(m.group(1)) for m in re.finditer(r"(?<!validate )step:\s*(\d+)\s+loss", plain)]
+
+
+def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    common = [
+        "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1",
+        "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--steps", "3", "--dump-folder", str(run_dir),
+    ]  # fmt: skip
+    logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
+    nodes = [launch([*common, "--node-rank", str(k)], logs[k]) for k in (0, 1)]
+    codes = [n.wait(timeout=600) for n in nodes]
+    text = [log.read_text() for log in logs]
+    assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
+    # Each node's plan: one rank here, world size 2 over the two nodes.
+    assert all("ranks         2 = 2 x 1 per node" in t for t in text)
+    # The rank that logs (global rank 0) trained all three steps with FSDP over both nodes.
+    assert logged_steps(text[0] + text[1])[-1] == 3
+    checkpoint = run_dir / "checkpoint"
+    assert saved_steps(checkpoint) == [3]
+    # DCP writes one shard file per rank: two ranks took part.
+    shards = sorted(p.name for p in (checkpoint / "step-3").glob("*.distcp"))
+    assert len(shards) == 2, shards

@@ -1,0 +1,71 @@
+"""The three trn2 recipes through the CLI: `plan --json`, refusals (exit 2), `run` off Trainium."""
+
+import json
+
+import pytest
+
+from qwentitan.launch.cli import main
+
+TRN2 = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
+
+
+@pytest.mark.parametrize("recipe", TRN2)
+def test_plan_json_shows_64_ranks_lnc2_fsdp64_and_the_seq_len_rule(recipe, capsys):
+    assert main(["plan", "--recipe", recipe, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["topology"]["instance"] == "trn2.48xlarge"
+    assert (plan["world_size"], plan["ranks_per_node"], plan["lnc"]) == (64, 64, 2)
+    assert plan["parallelism"]["fsdp"] == 64 and plan["parallelism"]["tp"] == 1
+    assert plan["seq_len_rule"]["multiple_of"] == 256 and plan["seq_len_rule"]["ok"]
+    assert plan["seq_len"] % 256 == 0
+    assert (
+        plan["env"]["NEURON_LOGICAL_NC_CONFIG"] == "2"
+        and plan["env"]["NEURON_CC_FLAGS"] == "--lnc=2"
+    )
+    assert plan["memory_per_rank"]["fits"] and plan["memory_per_rank"]["available_gib"] == 24.0
+    assert plan["torchrun"][plan["torchrun"].index("--config") + 1] == recipe
+
+
+def test_recipe_specifics(capsys):
+    plans = {}
+    for recipe in TRN2:
+        assert main(["plan", "--recipe", recipe, "--json"]) == 0
+        plans[recipe] = json.loads(capsys.readouterr().out)
+    hf = plans["qwen3_4b_hf"]
+    assert (hf["steps"], hf["local_batch"], hf["global_batch"]) == (10, 1, 64)
+    assert hf["config"]["initial_load_in_hf"] and hf["config"]["last_save_in_hf"]
+    assert hf["model"]["flavor"] == "qwen3-4b" and hf["model"]["name"] == "qwen3-hf"
+    native = plans["qwen3_4b_native"]
+    assert native["global_batch"] == 64 and native["model"]["flavor"] == "qwen3-4b"
+    assert native["model"]["params"] == hf["model"]["params"]
+    moe = plans["qwen3_moe_kernels"]
+    assert moe["model"]["flavor"] == "qwen3-30b-a3b-4l" and not moe["config"]["compile"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--fsdp", "8", "--tp", "4"], "is not the world size of 64 ranks"),
+        (["--lnc", "3"], "LNC 3 is not valid on trn2.48xlarge"),
+        (["--seq-len", "1000"], "Sequence length 1000 is not a multiple of 256"),
+        (["--instance", "trn9.huge"], "Unknown instance 'trn9.huge'"),
+        (["--ac", "none"], "GiB per rank but a trn2.48xlarge rank at LNC 2 has 24.0 GiB"),
+        (["--local-batch-size", "4"], "Global batch 64 is not a multiple of local batch 4"),
+    ],
+)
+def test_wrong_combinations_exit_2_with_one_sentence(flags, words, capsys):
+    recipe = "qwen3_4b_hf" if "--ac" in flags else "qwen3_4b_native"
+    assert main(["plan", "--recipe", recipe, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_run_off_trainium_prints_the_plan_then_fails_in_one_sentence(capsys, monkeypatch):
+    monkeypatch.setenv("QWENTITAN_PLATFORM", "cpu")
+    assert main(["run", "--recipe", "qwen3_4b_hf"]) == 2
+    captured = capsys.readouterr()
+    assert "64 = 1 x 64 per node" in captured.out and "torchrun" in captured.out
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "no Neuron devices" in err and "--dry-run" in err
+    assert main(["run", "--recipe", "qwen3_4b_hf", "--dry-run"]) == 0
+    assert "LNC 2" in capsys.readouterr().out

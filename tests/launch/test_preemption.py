@@ -1,0 +1,136 @@
+"""Preemption signals: recorded, not fatal, agreed across ranks; the supervisor forwards them."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from qwentitan.launch.preemption import (
+    PreemptionWatch,
+    ignore_sigusr1,
+    ranks_of,
+    supervise,
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_is_recorded_instead_of_killing(sig):
+    watch = PreemptionWatch().install()
+    try:
+        assert watch.stop_requested() is None
+        os.kill(os.getpid(), sig)
+        reason = watch.stop_requested()
+        assert reason is not None and sig.name in reason
+    finally:
+        watch.uninstall()
+    assert signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler) or callable(
+        signal.getsignal(sig)
+    )
+
+
+def test_ranks_agree_when_only_one_received_the_signal(tmp_path):
+    """Two gloo ranks; only rank 1 is signalled; both see the stop at the same check."""
+    script = tmp_path / "agree.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys
+            import torch.distributed as dist
+            from qwentitan.launch.preemption import PreemptionWatch
+            dist.init_process_group("gloo")
+            watch = PreemptionWatch().install()
+            first = watch.stop_requested()
+            if dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            second = watch.stop_requested()
+            print(f"rank{dist.get_rank()} first={first} second={second}", flush=True)
+            dist.destroy_process_group()
+            """
+        )
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--standalone",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for rank in (0, 1):
+        line = next(line for line in result.stdout.splitlines() if line.startswith(f"rank{rank} "))
+        assert "first=None" in line and "second=SIGUSR1 received" in line
+
+
+def test_agent_ignores_sigusr1_only(tmp_path):
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,"
+            " signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)",
+        ],
+        preexec_fn=ignore_sigusr1,
+        capture_output=True,
+        text=True,
+    )
+    assert probe.stdout.split() == ["False", "True"]
+
+
+def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path):
+    """A fake agent (ignoring signals, as torchrun is started) with one rank that checkpoints."""
+    marker = tmp_path / "checkpointed"
+    rank = tmp_path / "rank.py"
+    rank.write_text(
+        textwrap.dedent(
+            f"""
+            import signal, sys, time, pathlib
+            got = []
+            signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+            pathlib.Path({str(tmp_path / "ready")!r}).write_text("1")
+            while not got:
+                time.sleep(0.05)
+            pathlib.Path({str(marker)!r}).write_text("saved")
+            sys.exit(0)
+            """
+        )
+    )
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        f"import subprocess, sys\nsys.exit(subprocess.call([sys.executable, {str(rank)!r}]))\n"
+    )
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, os; from qwentitan.launch.preemption import supervise; "
+            f"sys.exit(supervise([sys.executable, {str(agent)!r}], dict(os.environ)))",
+        ]
+    )
+    deadline = time.time() + 60
+    while not (tmp_path / "ready").exists():
+        assert time.time() < deadline, "rank never started"
+        time.sleep(0.1)
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=60) == 0
+    assert marker.read_text() == "saved"
+
+
+def test_ranks_of_lists_direct_children_only():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in ranks_of(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert ranks_of(999_999_999) == []
+    assert supervise  # public entry used by `run`

@@ -1,0 +1,80 @@
+"""Preflight checks that need no training: the report, the plan-level checks, the weights check."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwentitan.launch.plan import resolve_plan
+from qwentitan.launch.preflight import CheckResult, PreflightReport
+from qwentitan.launch.preflight.checks import check_lnc, check_seq_len, check_versions
+from qwentitan.launch.preflight.weights import check_weights
+
+
+@pytest.fixture(scope="module")
+def trn2_plan():
+    return resolve_plan("qwen3_4b_native")
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+
+
+def test_report_names_failures_and_skips():
+    report = PreflightReport("r", "trn2.48xlarge", "here (cpu)")
+    report.checks += [
+        CheckResult("versions", "pass", "ok", {"torch": "2.14.1"}),
+        CheckResult("devices", "skip", "no neuron devices"),
+        CheckResult("weights", "fail", "missing"),
+    ]
+    assert not report.passed and report.failed == ["weights"] and report.skipped == ["devices"]
+    text = report.render()
+    assert "FAIL  weights" in text and "SKIP  devices" in text
+    assert text.splitlines()[-1] == "preflight FAILED: weights (1 skipped: devices)"
+    assert json.loads(report.to_json())["checks"][0]["figures"] == {"torch": "2.14.1"}
+
+
+def test_report_is_attached_to_an_mlflow_run(tmp_path):
+    import mlflow
+
+    report = PreflightReport("r", "cpu", "here (cpu)", [CheckResult("disk", "pass", "plenty")])
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = report.log_to_mlflow(uri)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.data.tags["preflight"] == "passed"
+    assert run.data.metrics["preflight_failed_checks"] == 0
+    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="preflight/report.json",
+                                                tracking_uri=uri, dst_path=str(tmp_path / "a"))  # fmt: skip
+    assert json.loads(Path(local).read_text())["passed"] is True
+
+
+def test_plan_level_checks_run_on_cpu_for_a_trn2_plan(trn2_plan, monkeypatch):
+    for key in ("NEURON_LOGICAL_NC_CONFIG", "NEURON_CC_FLAGS"):
+        monkeypatch.delenv(key, raising=False)
+    lnc = check_lnc(trn2_plan)
+    assert lnc.status == "pass" and lnc.figures["compiler"] == 2
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--lnc=1")
+    assert check_lnc(trn2_plan).status == "fail"
+    seq = check_seq_len(trn2_plan)
+    assert seq.status == "pass" and seq.figures == {"seq_len": 4096, "multiple_of": 256}
+    assert check_versions(trn2_plan).status == "pass"  # this environment is the tested matrix
+
+
+def test_weights_check_against_the_flavor(tiny_plan, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from qwentitan.modeling import flavor_to_hf_config
+
+    assert check_weights(tiny_plan, tmp_path / "absent").status == "fail"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(flavor_to_hf_config("tiny-dense"))
+    model.save_pretrained(tmp_path / "good")
+    good = check_weights(tiny_plan, tmp_path / "good")
+    assert good.status == "pass" and good.figures["missing"] == []
+    moe = AutoModelForCausalLM.from_config(flavor_to_hf_config("tiny-moe"))
+    moe.save_pretrained(tmp_path / "other")
+    other = check_weights(tiny_plan, tmp_path / "other")
+    assert other.status == "fail" and "does not hold flavor tiny-dense" in other.detail

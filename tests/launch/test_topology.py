@@ -1,0 +1,57 @@
+"""The instance catalogue: ranks and memory per rank from the documented trn2 / trn1 figures."""
+
+import pytest
+
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.topology import GIB, INSTANCES, get_topology
+
+
+def test_trn2_lnc2_is_64_ranks_of_24_gib():
+    t = get_topology("trn2.48xlarge")
+    assert (t.lnc, t.ranks_per_node, t.device_type, t.backend) == (2, 64, "neuron", "neuron")
+    assert t.memory_per_rank_bytes == 24 * GIB
+    assert t.physical_cores == 128
+    assert t.seq_len_multiple == 256
+    assert t.visible_cores() == "0-63"
+
+
+def test_trn2_lnc1_is_128_ranks_of_12_gib():
+    t = get_topology("trn2.48xlarge", lnc=1)
+    assert (t.ranks_per_node, t.memory_per_rank_bytes, t.seq_len_multiple) == (128, 12 * GIB, 128)
+
+
+def test_trn1_has_32_cores_of_16_gib_and_no_lnc2():
+    t = get_topology("trn1.32xlarge")
+    assert (t.lnc, t.ranks_per_node, t.memory_per_rank_bytes) == (1, 32, 16 * GIB)
+    with pytest.raises(LaunchError, match=r"LNC 2 is not valid on trn1\.32xlarge"):
+        get_topology("trn1.32xlarge", lnc=2)
+
+
+@pytest.mark.parametrize("lnc", [0, 3, 4])
+def test_odd_or_unsupported_lnc_is_refused(lnc):
+    with pytest.raises(LaunchError, match=rf"LNC {lnc} is not valid.*--lnc 2"):
+        get_topology("trn2.48xlarge", lnc=lnc)
+
+
+def test_unknown_instance_is_one_sentence_naming_the_choices():
+    with pytest.raises(LaunchError) as info:
+        get_topology("p5.48xlarge")
+    message = str(info.value)
+    assert message.count(".") >= 1 and "\n" not in message
+    assert all(name in message for name in INSTANCES)
+
+
+def test_cpu_host_defaults_to_two_ranks_sharing_memory():
+    t = get_topology("cpu")
+    assert (t.device_type, t.backend, t.ranks_per_node, t.seq_len_multiple) == ("cpu", "gloo", 2, 1)
+    assert t.memory_per_rank_bytes > 0
+
+
+def test_lnc_on_a_non_neuron_instance_is_refused():
+    with pytest.raises(LaunchError, match="Trainium only"):
+        get_topology("cpu", lnc=2)
+
+
+def test_too_many_ranks_per_node_is_refused():
+    with pytest.raises(LaunchError, match="cannot hold 65 ranks"):
+        get_topology("trn2.48xlarge", ranks_per_node=65)
