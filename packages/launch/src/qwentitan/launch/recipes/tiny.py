@@ -18,6 +18,7 @@ from torchtitan.config.configs import CommConfig, DebugConfig
 
 from qwentitan.launch.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
 from qwentitan.launch.platforms import current_platform
+from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.launch.trainer import Trainer
 from qwentitan.modeling import get_flavor, model_spec
 
@@ -26,9 +27,10 @@ __all__ = ["metrics_config", "tiny_dense", "tiny_moe", "tiny_moe_kernels"]
 SEED = 0
 
 
-def metrics_config() -> MetricsProcessor.Config:
-    """Console metrics every step. The one place recipes build metrics (tracking swaps it)."""
-    return MetricsProcessor.Config(log_freq=1)
+def metrics_config(recipe: str = "", path: str = "") -> MetricsProcessor.Config:
+    """Console metrics every step, and MLflow from the metrics rank ($QWENTITAN_MLFLOW=off: none).
+    The one place recipes build metrics."""
+    return tracked_metrics(recipe, path)
 
 
 def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer.Config:
@@ -42,7 +44,7 @@ def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer
         model_spec=spec,
         hf_assets_path=str(qwen_tokenizer_folder()),
         dump_folder=f"./outputs/{name}",
-        metrics=metrics_config(),
+        metrics=metrics_config(name, path),
         dataloader=TextDataLoader.Config(dataset=OFFLINE),
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab),

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
+from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.launch.trainer import Trainer
 
 TRN2_RECIPES = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
@@ -78,7 +78,7 @@ def qwen3_4b_hf() -> Trainer.Config:
         model_spec=spec,
         hf_assets_path=folder,
         loss=_loss("qwen3-4b"),
-        metrics=MetricsProcessor.Config(log_freq=1),
+        metrics=tracked_metrics("qwen3_4b_hf", "hf"),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),
         training=TrainingConfig(local_batch_size=1, seq_len=4096, steps=10, dtype="float32"),
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
@@ -101,6 +101,7 @@ def qwen3_4b_native() -> Trainer.Config:
     """torchtitan's Qwen3 from its own 32B recipe, overridden to the 4B flavor, global batch 64."""
     config = _ours(torchtitan_qwen3.qwen3_32b())
     config.model_spec = _model_spec("qwen3-4b", "native")
+    config.metrics = tracked_metrics("qwen3_4b_native", "native")
     config.loss = _loss("qwen3-4b")
     config.hf_assets_path = qwen3_4b_folder()
     config.training.local_batch_size = 1
@@ -116,6 +117,7 @@ def qwen3_moe_kernels() -> Trainer.Config:
     ops for experts, attention and RoPE (NKI on Trainium, reference twins elsewhere)."""
     config = _ours(torchtitan_qwen3.qwen3_30b_a3b())
     config.model_spec = _model_spec("qwen3-30b-a3b-4l", "moe-kernels")
+    config.metrics = tracked_metrics("qwen3_moe_kernels", "moe-kernels")
     config.loss = _loss("qwen3-30b-a3b-4l")
     config.hf_assets_path = qwen3_30b_a3b_folder()
     config.compile = CompileConfig(enable=False)  # eager: the custom ops run as they are
