@@ -19,7 +19,7 @@ def test_unknown_recipe(capsys):
     message = refused(capsys, "--recipe", "tiny_gpt")
     assert (
         message
-        == "Unknown recipe 'tiny_gpt'; choose one of tiny_dense, tiny_moe, tiny_moe_kernels."
+        == "Unknown recipe 'tiny_gpt'; choose one of tiny_dense, tiny_hf, tiny_moe, tiny_moe_kernels."
     )
 
 

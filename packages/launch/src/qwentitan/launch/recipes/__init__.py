@@ -14,6 +14,7 @@ from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.recipes.tiny import (
     metrics_config,
     tiny_dense,
+    tiny_hf,
     tiny_moe,
     tiny_moe_kernels,
 )
@@ -23,12 +24,14 @@ __all__ = [
     "metrics_config",
     "recipe_names",
     "tiny_dense",
+    "tiny_hf",
     "tiny_moe",
     "tiny_moe_kernels",
 ]
 
 _RECIPES: dict[str, Callable[[], Trainer.Config]] = {
     "tiny_dense": tiny_dense,
+    "tiny_hf": tiny_hf,
     "tiny_moe": tiny_moe,
     "tiny_moe_kernels": tiny_moe_kernels,
 }
