@@ -117,9 +117,15 @@ def test_parallelisms_other_than_fsdp_are_refused():
     )
     with pytest.raises(ModelingError, match="tensor_parallel_degree=2"):
         config.update_from_config(config=job)
-    long_job = SimpleNamespace(
-        parallelism=ParallelismConfig(), training=TrainingConfig(seq_len=4096)
+    # torchtitan 0.3.0's default backend (spmd_types) needs its own Module sharding configs
+    spmd_job = SimpleNamespace(parallelism=ParallelismConfig(), training=TrainingConfig())
+    with pytest.raises(ModelingError, match="'partial_dtensor', not 'spmd_types'"):
+        config.update_from_config(config=spmd_job)
+    fsdp_only = ParallelismConfig(data_parallel_shard_degree=-1, spmd_backend="partial_dtensor")
+    config.update_from_config(
+        config=SimpleNamespace(parallelism=fsdp_only, training=TrainingConfig())
     )
+    long_job = SimpleNamespace(parallelism=fsdp_only, training=TrainingConfig(seq_len=4096))
     with pytest.raises(ModelingError, match="exceeds flavor 'tiny-dense'"):
         config.update_from_config(config=long_job)
 

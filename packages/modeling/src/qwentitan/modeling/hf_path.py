@@ -68,6 +68,14 @@ class HFQwen3Model(BaseModel):
                     f"The hf path shards with FSDP only, but the job asks for {', '.join(bad)}; "
                     "set them to 1 or use path 'native'."
                 )
+            if parallelism.spmd_backend != "partial_dtensor":
+                # spmd_types (torchtitan 0.3.0's default) and full_dtensor need every parameter
+                # as a DTensor on the full mesh, placed by torchtitan's own Module sharding
+                # configs, which a Transformers model does not have
+                raise ModelingError(
+                    f"The hf path trains under parallelism.spmd_backend 'partial_dtensor', not "
+                    f"{parallelism.spmd_backend!r}; set it in the job's ParallelismConfig."
+                )
             training = getattr(config, "training", None)
             if training is not None and training.seq_len > self.flavor.max_position_embeddings:
                 raise ModelingError(
@@ -213,12 +221,14 @@ def parallelize_hf_qwen3(
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     if skip_dp or not (parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled):
         return model
-    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    mesh = parallel_dims.get_mesh(names)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
     )
+    # partial_dtensor (update_from_config asks for it) keeps the flattened "fsdp" mesh, as in
+    # torchtitan's parallelize_qwen3 for that backend
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    mesh = parallel_dims.get_mesh(names)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     # the root group holds embeddings, final norm and head (tied ones together)

@@ -15,6 +15,7 @@ from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.recipes.tiny import (
     metrics_config,
     tiny_dense,
+    tiny_hf,
     tiny_moe,
     tiny_moe_kernels,
 )
@@ -34,12 +35,14 @@ __all__ = [
     "qwen3_moe_kernels",
     "recipe_names",
     "tiny_dense",
+    "tiny_hf",
     "tiny_moe",
     "tiny_moe_kernels",
 ]
 
 _RECIPES: dict[str, Callable[[], Trainer.Config]] = {
     "tiny_dense": tiny_dense,
+    "tiny_hf": tiny_hf,
     "tiny_moe": tiny_moe,
     "tiny_moe_kernels": tiny_moe_kernels,
     "qwen3_4b_hf": qwen3_4b_hf,

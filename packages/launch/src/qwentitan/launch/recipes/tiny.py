@@ -1,4 +1,5 @@
-"""Tiny Qwen3 recipes that train on any machine in minutes: `tiny_dense`, `tiny_moe`.
+"""Tiny Qwen3 recipes that train on any machine in minutes: `tiny_dense`, `tiny_moe`,
+`tiny_moe_kernels`, `tiny_hf`.
 
 The default data needs no download: the offline corpus (the interpreter's own help text and
 standard-library docstrings) read through Qwen3's real tokenizer (151,936-row padded vocabulary).
@@ -22,7 +23,7 @@ from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.launch.trainer import Trainer
 from qwentitan.modeling import get_flavor, model_spec
 
-__all__ = ["metrics_config", "tiny_dense", "tiny_moe", "tiny_moe_kernels"]
+__all__ = ["metrics_config", "tiny_dense", "tiny_hf", "tiny_moe", "tiny_moe_kernels"]
 
 SEED = 0
 
@@ -62,7 +63,12 @@ def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer
             disable_cuda_graphs=not platform.supports_cuda_graphs,
             gc_freq=1000,
         ),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        parallelism=ParallelismConfig(
+            data_parallel_shard_degree=-1,
+            # the hf path's Transformers model has no torchtitan sharding configs, so it needs
+            # the backend that shards plain modules (qwentitan.modeling refuses the others)
+            spmd_backend="partial_dtensor" if path == "hf" else "spmd_types",
+        ),
         activation_checkpoint=None,  # tiny activations; recomputing them only costs time
         checkpoint=CheckpointManager.Config(
             enable=True, interval=100, last_save_model_only=False, keep_latest_k=2
@@ -91,3 +97,8 @@ def tiny_moe() -> Trainer.Config:
 def tiny_moe_kernels() -> Trainer.Config:
     """`tiny_moe` with qwentitan.kernels' RoPE, attention and grouped experts (`moe-kernels`)."""
     return _tiny("tiny_moe_kernels", "tiny-moe", path="moe-kernels", lr=1e-2)
+
+
+def tiny_hf() -> Trainer.Config:
+    """`tiny_dense` built as the Transformers v5 model (`hf` path) instead of torchtitan's."""
+    return _tiny("tiny_hf", "tiny-dense", path="hf", lr=1e-2)

@@ -81,7 +81,10 @@ def qwen3_4b_hf() -> Trainer.Config:
         metrics=tracked_metrics("qwen3_4b_hf", "hf"),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),
         training=TrainingConfig(local_batch_size=1, seq_len=4096, steps=10, dtype="float32"),
-        parallelism=ParallelismConfig(data_parallel_shard_degree=-1),
+        # the hf path shards with the flattened "fsdp" mesh only partial_dtensor builds
+        parallelism=ParallelismConfig(
+            data_parallel_shard_degree=-1, spmd_backend="partial_dtensor"
+        ),
         activation_checkpoint=FullAC.Config(),
         compile=CompileConfig(enable=False),
         checkpoint=CheckpointManager.Config(
