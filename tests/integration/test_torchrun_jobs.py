@@ -1,5 +1,7 @@
-"""Survival: SIGKILL of one rank -> torchrun restarts the group from the last checkpoint;
-SIGTERM -> a checkpoint at the next step boundary, clean exit, and a resume continues from it."""
+"""Jobs launched through torchrun agents: two agents on this machine join one c10d rendezvous
+over loopback as two "nodes"; SIGKILL of one rank -> torchrun restarts the group from the last
+checkpoint; SIGTERM -> a checkpoint at the next step boundary, clean exit, and a resume continues
+from it."""
 
 import os
 import re
@@ -59,6 +61,30 @@ def logged_steps(text: str) -> list[int]:
     """Step numbers of torchtitan's per-step metric lines ("step:  3  loss: ...")."""
     plain = re.sub(r"\x1b\[[0-9;]*m", "", text)  # torchtitan colours its metric lines
     return [int(m.group(1)) for m in re.finditer(r"(?<!validate )step:\s*(\d+)\s+loss", plain)]
+
+
+def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    common = [
+        "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1",
+        "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--steps", "3", "--dump-folder", str(run_dir),
+    ]  # fmt: skip
+    logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
+    nodes = [launch([*common, "--node-rank", str(k)], logs[k]) for k in (0, 1)]
+    codes = [n.wait(timeout=600) for n in nodes]
+    text = [log.read_text() for log in logs]
+    assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
+    # Each node's plan: one rank here, world size 2 over the two nodes.
+    assert all("ranks         2 = 2 x 1 per node" in t for t in text)
+    # The rank that logs (global rank 0) trained all three steps with FSDP over both nodes.
+    assert logged_steps(text[0] + text[1])[-1] == 3
+    checkpoint = run_dir / "checkpoint"
+    assert saved_steps(checkpoint) == [3]
+    # DCP writes one shard file per rank: two ranks took part.
+    shards = sorted(p.name for p in (checkpoint / "step-3").glob("*.distcp"))
+    assert len(shards) == 2, shards
 
 
 def _ranks(run_pid: int) -> list[psutil.Process]:
