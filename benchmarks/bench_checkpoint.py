@@ -2,10 +2,14 @@
 
 Generates, tensor by tensor, Hub-style sharded bf16 checkpoints with Qwen3-1.7B's shapes
 (~3.4 GB) and Qwen3-30B-A3B's shapes cut to 4 layers (~6 GB) in a temporary folder, then
-times, one at a time, each in its own child process (peak RSS = that child's ru_maxrss):
+times, one at a time, each in its own child process (peak RSS = the child's VmHWM, read in
+the child: ru_maxrss would report the parent's peak, which exec carries over):
 
 - `cp -r` of the HF folder followed by `sync`: the disk's own speed, the baseline;
 - `to_dcp` and `to_hf` (conversion time measured inside the child, without interpreter start);
+
+The three are timed in interleaved rounds (cp, to-dcp, to-hf, cp, ...) on this shared disk, so
+a slow spell hits all of them alike; the table shows each one's median and fastest round.
 - torchtitan's route, last: its Qwen3StateDictAdapter with DCP's HuggingFaceStorageReader into
   a float32 model state dict, `dcp.save`; back with HuggingFaceStorageWriter + consolidation.
   It needs 12-22 GiB of RAM, so it runs only with enough memory available (or never with
@@ -18,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -127,18 +131,21 @@ def sync() -> None:
 
 
 def timed_child(argv: list[str]) -> tuple[float, int]:
-    """Run a child process; (seconds it reports, or its wall time; its peak RSS in bytes)."""
+    """Run a child process; (seconds it reports, its peak RSS in bytes as it reports it)."""
     sync()
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - start
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:4]} failed with exit code {proc.returncode}")
-    seconds = json.loads(out.strip().splitlines()[-1])["seconds"] if out.strip() else wall
-    return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report["seconds"], report["peak_rss"]
+
+
+def peak_rss() -> int:
+    """This process's own high-water RSS (VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def copy_baseline(src: Path, dst: Path) -> float:
@@ -166,7 +173,7 @@ def child(args: list[str]) -> None:
         start = titan_to_dcp(src, dst)
     elif what == "titan-to-hf":
         start = titan_to_hf(src, dst, Path(args[3]))
-    print(json.dumps({"seconds": time.perf_counter() - start}))
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss": peak_rss()}))
 
 
 def _titan_state(hf_dir: Path):
@@ -233,6 +240,10 @@ def titan_to_hf(src: Path, dst: Path, hf_dir: Path) -> float:
     return start
 
 
+def _short(label: str) -> str:
+    return label.removeprefix("qwentitan-ckpt ").split()[0]
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -249,27 +260,35 @@ def bench_one(name: str, root: Path, skip_torchtitan: bool, repeat: int) -> list
     )
     rows = []
 
-    copy_s = float("inf")
-    for _ in range(repeat):
-        copy_s = min(copy_s, copy_baseline(src, root / "copy"))
-        shutil.rmtree(root / "copy")
-    rows.append((name, "cp -r + sync (baseline)", copy_s, nbytes / copy_s / 1e9, None, 1.0))
-    print(f"   cp + sync: {copy_s:.1f} s", flush=True)
-
     dcp_dir, hf_back = root / f"{name}-dcp", root / f"{name}-back"
-    for label, argv in (
-        ("qwentitan-ckpt to-dcp", [*me, "to-dcp", str(src), str(dcp_dir)]),
-        ("qwentitan-ckpt to-hf", [*me, "to-hf", str(dcp_dir), str(hf_back)]),
-    ):
-        runs = []
-        for attempt in range(repeat):
-            if attempt:  # a fresh destination each time; to-hf reads the last to-dcp output
-                shutil.rmtree(Path(argv[-1]))
-            runs.append(timed_child(argv))
-        seconds, rss = min(r[0] for r in runs), max(r[1] for r in runs)
-        rows.append((name, label, seconds, nbytes / seconds / 1e9, rss, copy_s / seconds))
-        times = ", ".join(f"{r[0]:.1f}" for r in runs)
-        print(f"   {label}: {times} s, peak RSS {rss / GiB:.2f} GiB", flush=True)
+    runs: dict[str, list[tuple[float, int | None]]] = {}
+    for attempt in range(repeat):
+        # A fresh destination each round; to-hf reads this round's to-dcp output.
+        for folder in (dcp_dir, hf_back):
+            shutil.rmtree(folder, ignore_errors=True)
+        runs.setdefault("cp -r + sync (baseline)", []).append(
+            (copy_baseline(src, root / "copy"), None)
+        )
+        shutil.rmtree(root / "copy")  # the disk holds the source and at most two outputs
+        for label, argv in (
+            ("qwentitan-ckpt to-dcp", [*me, "to-dcp", str(src), str(dcp_dir)]),
+            ("qwentitan-ckpt to-hf", [*me, "to-hf", str(dcp_dir), str(hf_back)]),
+        ):
+            runs.setdefault(label, []).append(timed_child(argv))
+        print(
+            f"   round {attempt + 1}: "
+            + ", ".join(f"{_short(label)} {r[-1][0]:.1f} s" for label, r in runs.items()),
+            flush=True,
+        )
+    copy_s = statistics.median(s for s, _ in runs["cp -r + sync (baseline)"])
+    copy_best = min(s for s, _ in runs["cp -r + sync (baseline)"])
+    for label, got in runs.items():
+        seconds = statistics.median(s for s, _ in got)
+        best = min(s for s, _ in got)
+        rss = max((r for _, r in got if r is not None), default=None)
+        rows.append(
+            (name, label, seconds, nbytes / seconds / 1e9, rss, copy_s / seconds, copy_best / best)
+        )
 
     from qwentitan.checkpoint import verify
 
@@ -289,7 +308,7 @@ def bench_one(name: str, root: Path, skip_torchtitan: bool, repeat: int) -> list
             if skip_torchtitan
             else (f"needs ~{need / GiB:.0f} GiB free, {have / GiB:.1f} GiB available")
         )
-        rows.append((name, f"torchtitan route: skipped ({why})", None, None, None, None))
+        rows.append((name, f"torchtitan route: skipped ({why})", None, None, None, None, None))
         print(f"   torchtitan route skipped: {why}", flush=True)
     else:
         titan_dcp, titan_hf = root / f"{name}-titan-dcp", root / f"{name}-titan-hf"
@@ -306,9 +325,9 @@ def bench_one(name: str, root: Path, skip_torchtitan: bool, repeat: int) -> list
             try:
                 seconds, rss = timed_child(argv)
             except RuntimeError as e:
-                rows.append((name, f"{label}: failed ({e})", None, None, None, None))
+                rows.append((name, f"{label}: failed ({e})", None, None, None, None, None))
                 continue
-            rows.append((name, label, seconds, nbytes / seconds / 1e9, rss, copy_s / seconds))
+            rows.append((name, label, seconds, nbytes / seconds / 1e9, rss, copy_s / seconds, None))
             print(f"   {label}: {seconds:.1f} s, peak RSS {rss / GiB:.2f} GiB", flush=True)
         shutil.rmtree(titan_dcp, ignore_errors=True)
         shutil.rmtree(titan_hf, ignore_errors=True)
@@ -331,8 +350,8 @@ def main() -> None:
     parser.add_argument(
         "--repeat",
         type=int,
-        default=2,
-        help="runs of cp / to-dcp / to-hf; the table shows the fastest (shared disk)",
+        default=3,
+        help="interleaved rounds of cp / to-dcp / to-hf (the table shows median and fastest)",
     )
     parser.add_argument("--workdir", default=tempfile.gettempdir(), help="where the temp data goes")
     args = parser.parse_args()
@@ -345,15 +364,22 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\nfastest of {args.repeat} runs each for cp, to-dcp and to-hf; peak RSS is the largest")
-    print("\n| model | method | seconds | GB/s (tensor bytes) | peak RSS GiB | x copy throughput |")
-    print("|---|---|---:|---:|---:|---:|")
-    for name, label, seconds, rate, rss, ratio in rows:
+    print(
+        f"\nmedian of {args.repeat} interleaved rounds for cp, to-dcp and to-hf (x copy: median "
+        "vs median, and fastest vs fastest); peak RSS is the largest of the rounds"
+    )
+    print(
+        "\n| model | method | seconds | GB/s (tensor bytes) | peak RSS GiB | x copy throughput "
+        "| x copy, fastest rounds |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, label, seconds, rate, rss, ratio, best_ratio in rows:
         cells = [
             f"{seconds:.1f}" if seconds is not None else "-",
             f"{rate:.2f}" if rate is not None else "-",
             f"{rss / GiB:.2f}" if rss is not None else "-",
             f"{ratio:.2f}" if ratio is not None else "-",
+            f"{best_ratio:.2f}" if best_ratio is not None else "-",
         ]
         print(f"| {name} | {label} | " + " | ".join(cells) + " |")
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from qwentitan.checkpoint import to_dcp, to_hf, verify
+from qwentitan.checkpoint import convert, to_dcp, to_hf, verify
 
 KINDS = [
     pytest.param(dict(moe=False, tied=True), id="dense-tied"),
@@ -14,8 +14,13 @@ KINDS = [
 ]
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 100], ids=["whole", "row-chunks"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_hf_to_dcp_to_hf_is_bitwise_identical(make_hf, helpers, tmp_path, kind):
+def test_hf_to_dcp_to_hf_is_bitwise_identical(
+    make_hf, helpers, tmp_path, kind, chunk_bytes, monkeypatch
+):
+    if chunk_bytes:  # every tensor of the tiny model in several DCP chunks, as large ones are
+        monkeypatch.setattr(convert, "CHUNK_BYTES", chunk_bytes)
     src = make_hf(**kind)
     to_dcp(src, tmp_path / "dcp")
     to_hf(tmp_path / "dcp", tmp_path / "back")
@@ -62,6 +67,33 @@ def test_dcp_holds_torchtitan_names_and_stacked_experts(make_hf, helpers, tmp_pa
     bias = titan["layers.0.moe.expert_bias_E"]
     assert bias.dtype == torch.float32 and bias.shape == (e,) and not bias.any()
     assert not any(k.startswith("model.") for k in titan)
+
+
+def test_large_tensors_are_written_as_row_chunks_dcp_reassembles(
+    make_hf, helpers, tmp_path, monkeypatch
+):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 300)
+    src = make_hf(moe=True, tied=False)
+    to_dcp(src, tmp_path / "dcp")
+
+    md = FileSystemReader(tmp_path / "dcp").read_metadata().state_dict_metadata
+    experts = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
+    # One expert (256 bytes) per chunk; 9 embedding rows (288 bytes) per chunk.
+    assert [tuple(c.offsets) for c in md[experts].chunks] == [(e, 0, 0) for e in range(4)]
+    assert [c.sizes[0] for c in md["tok_embeddings.weight"].chunks] == [9] * 5 + [3]
+    assert len(md["norm.weight"].chunks) == 1  # small tensors stay whole
+    files = list((tmp_path / "dcp").glob("*.distcp"))
+    assert len(files) == sum(len(m.chunks) for m in md.values())  # one file per chunk
+    # DCP's own reader reassembles them into the source tensors.
+    hf, titan = helpers.load_hf(src), helpers.load_dcp(tmp_path / "dcp")
+    assert torch.equal(titan["tok_embeddings.weight"], hf["model.embed_tokens.weight"])
+    for x in range(helpers.EXPERTS):
+        assert torch.equal(
+            titan[experts][x], hf[f"model.layers.1.mlp.experts.{x}.gate_proj.weight"]
+        )
+    assert verify(src, tmp_path / "dcp").ok
 
 
 def test_tied_lm_head_is_recreated_in_dcp_and_dropped_on_export(make_hf, helpers, tmp_path):
@@ -191,14 +223,15 @@ def test_to_dcp_keeps_at_most_the_budget_in_flight(make_hf, helpers, tmp_path, m
             super().__init__(limit)
             budgets.append(self)
 
-    monkeypatch.setattr(convert, "MEMORY_BUDGET", 1)  # so the largest tensor sets the limit
+    monkeypatch.setattr(convert, "MEMORY_BUDGET", 1)  # so the largest piece sets the limit
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 600)
     monkeypatch.setattr(convert.dcp_io, "MemoryBudget", Recording)
     src = make_hf(moe=True, tied=False)
     to_dcp(src, tmp_path / "dcp")
-    stacked = helpers.EXPERTS * helpers.MOE_FFN * helpers.HIDDEN * 2  # bf16 bytes of one w1_EFD
-    embedding = 48 * helpers.HIDDEN * 2
+    two_experts = 2 * helpers.MOE_FFN * helpers.HIDDEN * 2  # bf16 bytes of one w1_EFD chunk
+    embedding_rows = 18 * helpers.HIDDEN * 2  # 18 rows of 32 bytes fit 600
     (budget,) = budgets
-    assert budget.limit == max(stacked, embedding)
-    assert 0 < budget.peak <= budget.limit  # one stacked expert group at a time, never two
+    assert budget.limit == max(two_experts, embedding_rows)
+    assert 0 < budget.peak <= budget.limit  # one chunk at a time, never two
     assert budget._used == 0  # every tensor was retired
     assert verify(src, tmp_path / "dcp").ok

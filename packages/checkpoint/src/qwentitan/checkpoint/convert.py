@@ -27,9 +27,11 @@ from qwentitan.checkpoint.safetensors_io import HFFolder, ShardedWriter, parse_s
 
 # Disk-bound work: a few threads keep the disk busy; more only add memory.
 THREADS = max(2, min(4, os.cpu_count() or 2))
-# Tensors in flight at once (bytes). A single larger group (one layer's stacked experts, a
-# 150k-vocab embedding) still goes through, alone.
+# Tensors in flight at once (bytes). A single larger piece still goes through, alone.
 MEMORY_BUDGET = 512 << 20
+# DCP pieces: tensors larger than this are written as row chunks along dim 0, so a 150k-vocab
+# embedding or a layer's stacked experts streams through the writer threads in parts.
+CHUNK_BYTES = 64 << 20
 _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _SIDE_FILES = ("config.json", "generation_config.json")
 
@@ -59,7 +61,9 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         first_of[t.hf_names] = t.name
         if not t.hf_names:  # expert_bias_E: torchtitan's load-balancing buffer starts at zero
             specs[t.name] = (t.shape, torch.float32)
-            producers[t.name] = lambda shape=t.shape: torch.zeros(shape, dtype=torch.float32)
+            producers[t.name] = lambda start, stop, shape=t.shape: torch.zeros(
+                (stop - start, *shape[1:]), dtype=torch.float32
+            )
             continue
         dtypes = {hf.tensors[n].dtype for n in t.hf_names}
         if len(dtypes) != 1:
@@ -70,15 +74,21 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         specs[t.name] = (t.shape, dtypes.pop())
         producers[t.name] = _producer(hf, t, specs[t.name][1])
 
-    total = sum(torch.empty(s, dtype=d, device="meta").nbytes for s, d in specs.values())
+    total = sum(dcp_io.nbytes_of(s, d) for s, d in specs.values())
+    largest_piece = max(
+        dcp_io.nbytes_of((stop - start, *s[1:]), d)
+        for s, d in specs.values()
+        for start, stop in dcp_io.row_chunks(s, d, CHUNK_BYTES)
+    )
     with staged_folder(dst) as tmp, byte_progress(f"to-dcp {src.name}", total) as advance:
         dcp_io.save(
             tmp,
             specs,
             producers,
             threads=THREADS,
-            budget=dcp_io.MemoryBudget(max(MEMORY_BUDGET, _largest(specs))),
+            budget=dcp_io.MemoryBudget(max(MEMORY_BUDGET, largest_piece)),
             on_written=advance,
+            chunk_bytes=CHUNK_BYTES,
             aliases=aliases,
         )
         for name in _SIDE_FILES:
@@ -87,20 +97,21 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     return dst
 
 
-def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype):
-    def produce() -> torch.Tensor:
-        if not t.stacked:
-            return hf.read(t.hf_names[0])
-        out = torch.empty(t.shape, dtype=dtype)
-        for e, name in enumerate(t.hf_names):
-            read_into(hf.tensors[name], out[e])
+def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype) -> dcp_io.Producer:
+    """Rows [start, stop) of `t`: experts start..stop-1 when stacked, else a byte range."""
+
+    row_bytes = dcp_io.nbytes_of(t.shape[1:], dtype)
+
+    def produce(start: int, stop: int) -> torch.Tensor:
+        out = torch.empty((stop - start, *t.shape[1:]) if t.shape else (), dtype=dtype)
+        if t.stacked:
+            for e in range(start, stop):
+                read_into(hf.tensors[t.hf_names[e]], out[e - start])
+        else:
+            read_into(hf.tensors[t.hf_names[0]], out, offset=start * row_bytes)
         return out
 
     return produce
-
-
-def _largest(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
-    return max(torch.empty(s, dtype=d, device="meta").nbytes for s, d in specs.values())
 
 
 def check_hf_tensors(hf: HFFolder, layout: Qwen3Layout, config_file: Path) -> None:
@@ -169,31 +180,44 @@ def to_hf(
         out_dtype = export_dtype or ckpt.tensors[t.name][1]
         per = t.shape[1:] if t.stacked else t.shape
         entries += [(name, out_dtype, per) for name in t.hf_names]
-    total = sum(torch.empty(s, dtype=d, device="meta").nbytes for _, d, s in entries)
+    total = sum(dcp_io.nbytes_of(s, d) for _, d, s in entries)
     budget = dcp_io.MemoryBudget(MEMORY_BUDGET)
-    dropped_bias: list[str] = []
+    dropped_bias: set[str] = set()
 
-    def export(t: TitanTensor) -> None:
-        # DCP's reader may hold the loaded copy and the target at once: twice the tensor.
-        with budget.hold(ckpt.load_cost(t.name)):
-            value = ckpt.load(t.name)
+    def export(t: TitanTensor, rows: dcp_io.Rows) -> None:
+        # One piece at a time: a row chunk of the DCP (a training job's dim-0 shard, or what
+        # to_dcp wrote), else the whole tensor; experts stacked on dim 0 unstack per chunk.
+        shape = ckpt.tensors[t.name][0]
+        piece = (rows.stop - rows.start, *shape[1:])
+        cast = 0 if export_dtype is None else dcp_io.nbytes_of(piece, export_dtype)
+        with budget.hold(rows.cost + cast):
+            value = ckpt.load_rows(rows)
             if not t.hf_names:
                 if value.any():
-                    dropped_bias.append(t.name)
+                    dropped_bias.add(t.name)
                 return
             if export_dtype is not None:
                 value = value.to(export_dtype)
-            parts = value.unbind(0) if t.stacked else (value,)
-            for name, part in zip(t.hf_names, parts, strict=True):
-                writer.write(name, part)
-                advance(part.nbytes)
+            if t.stacked:
+                names = t.hf_names[rows.start : rows.stop]
+                for name, part in zip(names, value.unbind(0), strict=True):
+                    writer.write(name, part)
+                    advance(part.nbytes)
+            else:
+                offset = rows.start * dcp_io.nbytes_of(shape[1:], value.dtype)
+                writer.write(t.hf_names[0], value, offset=offset)
+                advance(value.nbytes)
 
     with staged_folder(dst) as tmp, byte_progress(f"to-hf {src.name}", total) as advance:
         writer = ShardedWriter(tmp, entries, shard_bytes)
         try:
             bias = [t for t in tensors if not t.hf_names]
             with ThreadPoolExecutor(THREADS) as pool:
-                futures = [pool.submit(export, t) for t in exported + bias]
+                futures = [
+                    pool.submit(export, t, rows)
+                    for t in exported + bias
+                    for rows in ckpt.rows(t.name)
+                ]
                 _, pending = wait(futures, return_when=FIRST_EXCEPTION)
                 for f in pending:
                     f.cancel()

@@ -1,13 +1,18 @@
 """torch Distributed Checkpoint folders, written and read through DCP's own public API.
 
 Writing: `dcp.save` plans from meta tensors (shapes and dtypes only) and a planner whose
-`resolve_data` reads each tensor from the source only when a writer thread asks for it, so
-the model is never held whole. Reading: `dcp.load` of one tensor at a time with partial
-loading, which also reassembles tensors saved in shards by a multi-rank training job.
+`resolve_data` reads each piece from the source only when a writer thread asks for it, so
+the model is never held whole. Large tensors are saved as row chunks along dim 0, the layout an
+FSDP training job writes, so the writer threads overlap reading and writing in pieces of a
+bounded size instead of waiting for one another on a whole stacked-experts tensor.
+Reading: row chunks stored alone in their files are memory-mapped piece by piece; anything
+else (other shardings, one file per rank) goes through `dcp.load` with partial loading.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import pickle
 import threading
@@ -15,6 +20,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,11 +28,40 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from qwentitan.checkpoint.errors import CheckpointError
 
 METADATA = ".metadata"
+Shape = tuple[int, ...]
+# rows [start, stop) of a tensor along dim 0 -> those rows, as a new contiguous tensor
+Producer = Callable[[int, int], torch.Tensor]
+
+
+def nbytes_of(shape: Shape, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def row_chunks(shape: Shape, dtype: torch.dtype, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) row ranges along dim 0 of at most `chunk_bytes` each (at least one row)."""
+    rows = shape[0] if shape else 1
+    row_bytes = nbytes_of(shape[1:], dtype)
+    step = max(1, chunk_bytes // max(row_bytes, 1))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)] or [(0, 0)]
 
 
 class MemoryBudget:
@@ -106,20 +141,50 @@ class _LazySavePlanner(DefaultSavePlanner):
 
     def __init__(
         self,
-        producers: dict[str, Callable[[], torch.Tensor]],
+        specs: dict[str, tuple[Shape, torch.dtype]],
+        producers: dict[str, Producer],
         budget: MemoryBudget,
         on_written: Callable[[int], None],
+        chunk_bytes: int,
     ):
         super().__init__(dedup_save_to_lowest_rank=False)
+        self._specs = specs
+        self._chunk_bytes = chunk_bytes
         self._producers = producers
         self._budget = budget
         self._on_written = on_written
         self._last = threading.local()
-        self.resolved: set[str] = set()
+        self.resolved: set[tuple[str, int]] = set()  # (fqn, first row) of each piece produced
+        self.pieces = 0
         # FileSystemWriter's extra threads swallow exceptions (the thread just ends and its
         # files are missing from .metadata), so the first failure is kept and re-raised.
         self.error: BaseException | None = None
         self.threads: set[threading.Thread] = set()
+
+    def create_local_plan(self):  # type: ignore[override]
+        # DCP's own plan writes each plain tensor whole; here large ones become row chunks,
+        # as DCP writes the dim-0 shards of an FSDP model (same metadata, same loading path).
+        plan = super().create_local_plan()
+        items = []
+        for fqn, (shape, dtype) in self._specs.items():
+            chunks = row_chunks(shape, dtype, self._chunk_bytes)
+            for start, stop in chunks:
+                offsets = torch.Size([start, *(0 for _ in shape[1:])] if shape else [])
+                sizes = torch.Size([stop - start, *shape[1:]] if shape else [])
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, offsets),
+                        type=WriteItemType.SHARD if len(chunks) > 1 else WriteItemType.TENSOR,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                            properties=TensorProperties(dtype=dtype),
+                            size=torch.Size(shape),
+                        ),
+                    )
+                )
+        self.pieces = len(items)
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
 
     def _retire_previous(self) -> None:
         previous = getattr(self._last, "item", None)
@@ -141,17 +206,19 @@ class _LazySavePlanner(DefaultSavePlanner):
         if self.error is not None:  # another thread failed: stop writing
             raise RuntimeError("DCP save aborted after an earlier error")
         fqn = write_item.index.fqn
-        shape_nbytes = write_item.tensor_data.properties.dtype.itemsize
-        for s in write_item.tensor_data.size:
-            shape_nbytes *= s
-        taken = self._budget.acquire(shape_nbytes)
+        chunk = write_item.tensor_data.chunk
+        start = chunk.offsets[0] if len(chunk.offsets) else 0
+        stop = start + chunk.sizes[0] if len(chunk.sizes) else 1
+        taken = self._budget.acquire(
+            nbytes_of(tuple(chunk.sizes), write_item.tensor_data.properties.dtype)
+        )
         try:
-            tensor = self._producers[fqn]()
+            tensor = self._producers[fqn](start, stop)
         except BaseException as e:
             self._budget.release(taken)
             self.error = self.error or e
             raise
-        self.resolved.add(fqn)
+        self.resolved.add((fqn, start))
         # The thread-local record holds the tensor itself: DCP keeps only a detached alias of
         # it, so watching the returned object would release the budget at once. The record
         # also dies with its writer thread, which then returns the bytes.
@@ -166,15 +233,19 @@ class _LazySavePlanner(DefaultSavePlanner):
 
 def save(
     folder: Path,
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    producers: dict[str, Callable[[], torch.Tensor]],
+    specs: dict[str, tuple[Shape, torch.dtype]],
+    producers: dict[str, Producer],
     *,
     threads: int,
     budget: MemoryBudget,
     on_written: Callable[[int], None],
+    chunk_bytes: int,
     aliases: dict[str, str] | None = None,
 ) -> None:
-    """Write a DCP checkpoint of `specs` (fqn -> shape, dtype), one file per tensor.
+    """Write a DCP checkpoint of `specs` (fqn -> shape, dtype), one file per row chunk.
+
+    Tensors larger than `chunk_bytes` are saved in row chunks along dim 0; `producers[fqn]`
+    gives the rows of one chunk when a writer thread is about to write it.
 
     `aliases` (fqn -> fqn in `specs`) are recorded in the metadata as a second name for the
     same stored bytes, the way a tied lm_head is the embedding: written once, loadable by both
@@ -187,14 +258,14 @@ def save(
     # The zip checksums torch.save computes cost CPU time at disk speed and are not checked
     # on load; DCP's own integrity is the metadata and the rename of .metadata at the end.
     torch.serialization.set_crc32_options(False)
-    planner = _LazySavePlanner(producers, budget, on_written)
-    # One file per tensor: with one file per thread, FileSystemWriter keeps every tensor of a
+    planner = _LazySavePlanner(specs, producers, budget, on_written, chunk_bytes)
+    # One file per chunk: with one file per thread, FileSystemWriter keeps every tensor of a
     # file referenced until the file is closed, i.e. the whole model.
     # No fsync per file: the caller syncs the whole folder once before renaming it into place.
     writer = FileSystemWriter(
         folder, single_file_per_rank=False, thread_count=threads, sync_files=False
     )
-    # Each file holds one tensor: when its stream closes, that tensor is on disk, so retire it
+    # Each file holds one chunk: when its stream closes, that chunk is on disk, so retire it
     # there and then (a thread that waits in join() must not keep holding the budget).
     writer.fs = _RetiringFileSystem(planner.finish_thread)
     try:
@@ -215,9 +286,12 @@ def save(
         torch.serialization.set_crc32_options(crc32)
     if planner.error is not None:
         raise planner.error
-    if planner.resolved != set(specs):
-        missing = sorted(set(specs) - planner.resolved)
-        raise RuntimeError(f"DCP save skipped {len(missing)} tensors, first {missing[0]!r}")
+    if len(planner.resolved) != planner.pieces:
+        missing = sorted(set(specs) - {fqn for fqn, _ in planner.resolved})
+        raise RuntimeError(
+            f"DCP save wrote {len(planner.resolved)} of {planner.pieces} pieces"
+            + (f", none of {missing[0]!r}" if missing else "")
+        )
 
 
 def _add_aliases(folder: Path, aliases: dict[str, str]) -> None:
@@ -235,8 +309,19 @@ def _add_aliases(folder: Path, aliases: dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """Rows [start, stop) along dim 0 of one DCP tensor, loadable on their own."""
+
+    fqn: str
+    start: int
+    stop: int
+    cost: int  # bytes held while loaded: the rows, twice when DCP's reader copies them
+    file: Path | None  # the file holding exactly these rows; None: through dcp.load
+
+
 class DCPFolder:
-    """A DCP checkpoint folder: its tensors' names, shapes and dtypes, read one at a time."""
+    """A DCP checkpoint folder: its tensors' names, shapes and dtypes, read piece by piece."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
@@ -256,49 +341,74 @@ class DCPFolder:
                 f"{self.path / METADATA} cannot be read ({type(e).__name__}); the checkpoint is "
                 "corrupt or was written by an incompatible torch, re-save it."
             ) from None
-        self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        self.tensors: dict[str, tuple[Shape, torch.dtype]] = {
             fqn: (tuple(md.size), md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
         }
-        # Tensors stored whole, alone in their file (what `save` writes): loadable by mapping
-        # the file instead of reading it into a buffer and copying it into the target.
-        self._whole_files: dict[str, Path] = {}
+        # Tensors stored as full-width row chunks, each alone in its file (what `save` and an
+        # FSDP job's one-file-per-tensor save write): loadable by mapping each chunk's file
+        # instead of reading it into a buffer and copying that into the target.
+        slabs: dict[str, list[Rows]] = {}
         for index, info in (metadata.storage_data or {}).items():
-            md = metadata.state_dict_metadata.get(index.fqn)
+            md = self.tensors.get(index.fqn)
+            if md is None:
+                continue
+            shape, dtype = md
+            chunk = _chunk_at(metadata.state_dict_metadata[index.fqn], index)
+            file = self.path / info.relative_path
             if (
-                isinstance(md, TensorStorageMetadata)
-                and len(md.chunks) == 1
-                and not any(index.offset)
+                chunk is not None
+                and shape
+                and tuple(chunk.offsets[1:]) == (0,) * (len(shape) - 1)
+                and tuple(chunk.sizes[1:]) == shape[1:]
                 and info.offset == 0
                 and not getattr(info, "transform_descriptors", None)
+                and file.is_file()
+                and file.stat().st_size == info.length
             ):
-                file = self.path / info.relative_path
-                if file.is_file() and file.stat().st_size == info.length:
-                    self._whole_files[index.fqn] = file
+                start, stop = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+                cost = nbytes_of((stop - start, *shape[1:]), dtype)
+                slabs.setdefault(index.fqn, []).append(Rows(index.fqn, start, stop, cost, file))
+        self._slabs: dict[str, list[Rows]] = {}
+        for fqn, pieces in slabs.items():
+            pieces.sort(key=lambda r: r.start)
+            rows = self.tensors[fqn][0][0]
+            contiguous = all(a.stop == b.start for a, b in itertools.pairwise(pieces))
+            if pieces[0].start == 0 and pieces[-1].stop == rows and contiguous:
+                self._slabs[fqn] = pieces
+
+    def rows(self, fqn: str) -> list[Rows]:
+        """The pieces `load_rows` can load `fqn` in: its row chunks, or the whole tensor."""
+        if fqn in self._slabs:
+            return self._slabs[fqn]
+        shape, dtype = self.tensors[fqn]
+        return [Rows(fqn, 0, shape[0] if shape else 1, 2 * nbytes_of(shape, dtype), None)]
 
     def load_cost(self, fqn: str) -> int:
-        """Bytes `load` holds at its peak: the tensor, twice when DCP's reader copies it."""
-        shape, dtype = self.tensors[fqn]
-        nbytes = torch.empty(shape, dtype=dtype, device="meta").nbytes
-        return nbytes if fqn in self._whole_files else 2 * nbytes
+        """Bytes `load` holds at its peak: the tensor, plus one mapped chunk or DCP's copy."""
+        pieces = self.rows(fqn)
+        nbytes = nbytes_of(*self.tensors[fqn])
+        if len(pieces) == 1:
+            return pieces[0].cost
+        return nbytes + max(r.cost for r in pieces)
 
-    def load(self, fqn: str) -> torch.Tensor:
-        """One tensor, whole: memory-mapped when it fills its own file, else via `dcp.load`."""
-        shape, dtype = self.tensors[fqn]
-        file = self._whole_files.get(fqn)
-        if file is not None:
+    def load_rows(self, rows: Rows) -> torch.Tensor:
+        """The rows of one piece: memory-mapped from its own file, else via `dcp.load`."""
+        shape, dtype = self.tensors[rows.fqn]
+        if rows.file is not None:
             try:
-                tensor = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                tensor = torch.load(rows.file, map_location="cpu", mmap=True, weights_only=True)
             except Exception:
                 tensor = None
+            want = (rows.stop - rows.start, *shape[1:])
             if (
                 isinstance(tensor, torch.Tensor)
-                and tuple(tensor.shape) == shape
+                and tuple(tensor.shape) == want
                 and tensor.dtype == dtype
             ):
                 return tensor
-        out = {fqn: torch.empty(shape, dtype=dtype)}
+        out = {rows.fqn: torch.empty(shape, dtype=dtype)}
         try:
             with _quiet_single_process():
                 dcp.load(
@@ -309,7 +419,33 @@ class DCPFolder:
                 )
         except Exception as e:
             raise CheckpointError(
-                f"{self.path} could not give tensor {fqn!r} ({type(e).__name__}: {e}); a data "
-                "file of the checkpoint is missing or corrupt, re-save it."
+                f"{self.path} could not give tensor {rows.fqn!r} ({type(e).__name__}: {e}); a "
+                "data file of the checkpoint is missing or corrupt, re-save it."
             ) from None
-        return out[fqn]
+        value = out[rows.fqn]
+        return value if rows.file is None else value[rows.start : rows.stop]
+
+    def load(self, fqn: str) -> torch.Tensor:
+        """One tensor, whole, assembled from its pieces."""
+        pieces = self.rows(fqn)
+        if len(pieces) == 1:
+            return self.load_rows(pieces[0])
+        shape, dtype = self.tensors[fqn]
+        out = torch.empty(shape, dtype=dtype)
+        for rows in pieces:
+            out[rows.start : rows.stop] = self.load_rows(rows)
+        return out
+
+
+def _chunk_at(md, index: MetadataIndex) -> ChunkStorageMetadata | None:
+    """The chunk a storage entry holds (DCP's index hint, checked against the offsets)."""
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    chunks = md.chunks
+    hint = index.index
+    if hint is not None and hint < len(chunks) and chunks[hint].offsets == index.offset:
+        return chunks[hint]
+    for chunk in chunks:
+        if tuple(chunk.offsets) == tuple(index.offset):
+            return chunk
+    return None

@@ -176,15 +176,17 @@ class HFFolder:
         return out
 
 
-def read_into(stored: StoredTensor, out: torch.Tensor) -> None:
+def read_into(stored: StoredTensor, out: torch.Tensor, offset: int = 0) -> None:
+    """Fill `out` with the stored tensor's bytes from `offset` on (all of them by default)."""
     if out.numel() == 0:
         return
     raw = byte_view(out)
+    assert offset + len(raw) <= stored.nbytes, stored.name
     with open(stored.file, "rb", buffering=0) as f:
-        f.seek(stored.start)
+        f.seek(stored.start + offset)
         view = raw
         done = 0
-        while done < stored.nbytes:
+        while done < len(raw):
             got = f.readinto(view[done:])
             if not got:
                 raise CheckpointError(
@@ -286,16 +288,17 @@ class ShardedWriter:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        fd, offset, nbytes = self.where[name]
+    def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
+        """Write `tensor`'s bytes into `name`'s place, from byte `offset` of it (a row chunk)."""
+        fd, start, nbytes = self.where[name]
         if tensor.numel() == 0:
             return
         tensor = tensor.contiguous()
         view = byte_view(tensor)
-        assert len(view) == nbytes, name
+        assert offset + len(view) <= nbytes, name
         done = 0
-        while done < nbytes:
-            done += os.pwrite(fd, view[done:], offset + done)
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], start + offset + done)
 
     def close(self, sync: bool = True) -> None:
         for fd in self._fds:
