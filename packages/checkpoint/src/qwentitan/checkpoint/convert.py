@@ -31,7 +31,7 @@ THREADS = max(2, min(4, os.cpu_count() or 2))
 MEMORY_BUDGET = 512 << 20
 # DCP pieces: tensors larger than this are written as row chunks along dim 0, so a 150k-vocab
 # embedding or a layer's stacked experts streams through the writer threads in parts.
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 32 << 20
 _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _SIDE_FILES = ("config.json", "generation_config.json")
 
@@ -61,9 +61,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         first_of[t.hf_names] = t.name
         if not t.hf_names:  # expert_bias_E: torchtitan's load-balancing buffer starts at zero
             specs[t.name] = (t.shape, torch.float32)
-            producers[t.name] = lambda start, stop, shape=t.shape: torch.zeros(
-                (stop - start, *shape[1:]), dtype=torch.float32
-            )
+            producers[t.name] = lambda start, stop, out: out.zero_()
             continue
         dtypes = {hf.tensors[n].dtype for n in t.hf_names}
         if len(dtypes) != 1:
@@ -98,18 +96,15 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
 
 
 def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype) -> dcp_io.Producer:
-    """Rows [start, stop) of `t`: experts start..stop-1 when stacked, else a byte range."""
-
+    """Rows [start, stop) of `t` into `out`: experts start..stop-1 when stacked, else bytes."""
     row_bytes = dcp_io.nbytes_of(t.shape[1:], dtype)
 
-    def produce(start: int, stop: int) -> torch.Tensor:
-        out = torch.empty((stop - start, *t.shape[1:]) if t.shape else (), dtype=dtype)
+    def produce(start: int, stop: int, out: torch.Tensor) -> None:
         if t.stacked:
             for e in range(start, stop):
                 read_into(hf.tensors[t.hf_names[e]], out[e - start])
         else:
             read_into(hf.tensors[t.hf_names[0]], out, offset=start * row_bytes)
-        return out
 
     return produce
 
