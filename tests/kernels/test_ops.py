@@ -193,6 +193,20 @@ def test_grouped_experts_match_a_dense_per_expert_loop_forward_and_backward():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_experts_do_not_depend_on_the_order_of_the_blocks():
+    hidden, aff, gate_up, down, tpid, b2e, block = _experts_args(grad=True, tokens=10, block=4)
+    perm = torch.randperm(b2e.numel(), generator=torch.Generator().manual_seed(1))
+    shuffled = (tpid.view(-1, block)[perm].reshape(-1), b2e[perm])
+    assert not torch.equal(shuffled[1], b2e)
+    leaves = (hidden, aff, gate_up, down)
+    results = []
+    for routing in ((tpid, b2e), shuffled):
+        out = grouped_experts(hidden, aff, gate_up, down, *routing, block)
+        results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+    for ordered, permuted in zip(*results, strict=True):
+        torch.testing.assert_close(permuted, ordered)
+
+
 def test_ops_compile_fullgraph():
     @torch.compile(fullgraph=True, backend="aot_eager")
     def step(q, k, v, cache, hidden, aff, gate_up, down, tpid, b2e):
