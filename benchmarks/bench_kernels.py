@@ -1,10 +1,13 @@
 """Each kernel module's reference twin vs the torchtitan module it replaces, forward + backward, cpu.
 
 Prints median milliseconds per forward+backward and the ratio torchtitan / ours (>= 1.0 means the
-kernel path's reference twin is at least as fast). Attention is compared with torchtitan's causal
-ScaledDotProductAttention module: FlexAttention, the Qwen3 default, has no cpu backward.
+kernel path's reference twin is at least as fast). The two are timed in alternation, so load from
+other processes on the machine falls on both alike. Attention is compared with torchtitan's
+causal ScaledDotProductAttention module: FlexAttention, the Qwen3 default, has no cpu backward.
 Grouped experts run twice: ours in the input's float32 (the default) and ours in bfloat16, the
-dtype torchtitan's GroupedExperts always casts to; bfloat16 matmuls are slow on most cpus.
+dtype torchtitan's GroupedExperts always casts to. PyTorch's cpu bfloat16 GEMM is slow without
+bf16 instructions; torchtitan's grouped_mm uses it, ours runs float32 GEMMs of the upcast
+bfloat16 operands and rounds the results to bfloat16 (see experts.py).
 Run: `uv run nox -s bench -- kernels` or `uv run python benchmarks/bench_kernels.py`.
 """
 
@@ -25,15 +28,28 @@ from qwentitan.modeling.kernel_path import (
 )
 
 
-def _time(fn, repeats: int, warmup: int = 2) -> float:
+def _time_pair(theirs, ours, budget_s: float = 20.0, warmup: int = 2):
+    """(median ms of theirs, median ms of ours, rounds), timed in alternation.
+
+    Each round runs both, the order flipping every round (AB, BA, AB...) so neither always
+    follows the other; as many rounds as fit in `budget_s` by the first round's time, 7 to 51.
+    """
     for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+        theirs()
+        ours()
+    samples = {theirs: [], ours: []}
+    rounds, done = 1, 0
+    while done < rounds:
+        for fn in (theirs, ours) if done % 2 == 0 else (ours, theirs):
+            start = time.perf_counter()
+            fn()
+            samples[fn].append(time.perf_counter() - start)
+        done += 1
+        if done == 1:
+            first = samples[theirs][0] + samples[ours][0]
+            rounds = min(max(int(budget_s / first), 7), 51)
+    ms = [statistics.median(samples[fn]) * 1e3 for fn in (theirs, ours)]
+    return ms[0], ms[1], rounds
 
 
 def _rope_case():
@@ -86,7 +102,7 @@ def _experts_case(compute_dtype):
     def run(module):
         return lambda: module(x, counts).backward(grad)
 
-    ours_dtype = "bf16 like torchtitan" if compute_dtype else "fp32 (input dtype, default)"
+    ours_dtype = "bf16 like torchtitan (GEMMs in fp32)" if compute_dtype else "fp32 (default)"
     shape = f"rows {rows} dim {dim} hidden {hidden} E {experts}, torchtitan bf16, ours {ours_dtype}"
     return "grouped_experts", shape, run(theirs), run(ours)
 
@@ -94,7 +110,7 @@ def _experts_case(compute_dtype):
 def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} cpu threads")
-    print(f"{'op':<18}{'torchtitan ms':>15}{'ours ms':>10}{'ratio':>8}  shape")
+    print(f"{'op':<18}{'torchtitan ms':>15}{'ours ms':>10}{'ratio':>8}{'rounds':>8}  shape")
     cases = (
         _rope_case,
         _attention_case,
@@ -103,8 +119,9 @@ def main() -> None:
     )
     for case in cases:
         name, shape, theirs, ours = case()
-        t_theirs, t_ours = _time(theirs, repeats=7), _time(ours, repeats=7)
-        print(f"{name:<18}{t_theirs:>15.2f}{t_ours:>10.2f}{t_theirs / t_ours:>7.2f}x  {shape}")
+        t_theirs, t_ours, rounds = _time_pair(theirs, ours)
+        ratio = f"{t_theirs / t_ours:.2f}x"
+        print(f"{name:<18}{t_theirs:>15.2f}{t_ours:>10.2f}{ratio:>8}{rounds:>8}  {shape}")
 
 
 if __name__ == "__main__":

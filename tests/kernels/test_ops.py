@@ -193,6 +193,37 @@ def test_grouped_experts_match_a_dense_per_expert_loop_forward_and_backward():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_experts_do_not_depend_on_the_order_of_the_blocks():
+    hidden, aff, gate_up, down, tpid, b2e, block = _experts_args(grad=True, tokens=10, block=4)
+    perm = torch.randperm(b2e.numel(), generator=torch.Generator().manual_seed(1))
+    shuffled = (tpid.view(-1, block)[perm].reshape(-1), b2e[perm])
+    assert not torch.equal(shuffled[1], b2e)
+    leaves = (hidden, aff, gate_up, down)
+    results = []
+    for routing in ((tpid, b2e), shuffled):
+        out = grouped_experts(hidden, aff, gate_up, down, *routing, block)
+        results.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+    for ordered, permuted in zip(*results, strict=True):
+        torch.testing.assert_close(permuted, ordered)
+
+
+def test_grouped_experts_in_bfloat16_agree_with_float32_on_the_same_values():
+    hidden, aff, gate_up, down, tpid, b2e, block = _experts_args(tokens=10, block=4)
+    # Weights scaled by fan-in, as in a model, so no product is far above its inputs.
+    values = (hidden, aff, gate_up * 8**-0.5, down * 4**-0.5)
+    bf16 = [t.bfloat16().requires_grad_() for t in values]
+    fp32 = [t.detach().float().requires_grad_() for t in bf16]
+    grad = torch.randn(10, 8, generator=torch.Generator().manual_seed(2))
+    results = []
+    for inputs in (bf16, fp32):
+        out = grouped_experts(*inputs, tpid, b2e, block)
+        results.append((out, *torch.autograd.grad(out, inputs, grad.to(out.dtype))))
+    for low, high in zip(*results, strict=True):
+        assert low.dtype == torch.bfloat16
+        # bfloat16 keeps 8 mantissa bits; the intermediates are rounded to it, as on Trainium.
+        torch.testing.assert_close(low.float(), high, rtol=3e-2, atol=3e-2)
+
+
 def test_ops_compile_fullgraph():
     @torch.compile(fullgraph=True, backend="aot_eager")
     def step(q, k, v, cache, hidden, aff, gate_up, down, tpid, b2e):

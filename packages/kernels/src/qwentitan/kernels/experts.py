@@ -87,34 +87,90 @@ def _check(hidden, affinities, gate_up, down, token_position_to_id, block_to_exp
         )
 
 
-def _blocks(hidden, affinities, token_position_to_id, block_to_expert, block_size):
-    hidden_dim = hidden.shape[1]
+def _routed_slots(token_position_to_id, block_to_expert, tokens, num_experts, block_size):
+    """The occupied slots grouped by expert: slots, their token ids and experts, rows per expert.
+
+    Empty slots are left out, so padding costs no matmul. The row counts go to the host, since
+    the per-expert matmuls slice by them; this runs inside the custom op, which torch.compile
+    treats as opaque (shapes come from the fake implementation), so the sync breaks no graph.
+    """
     ids = token_position_to_id.long()
-    experts_of_blocks = block_to_expert.long()
-    padded = torch.cat([hidden, hidden.new_zeros(1, hidden_dim)])  # row `tokens` = empty slot
-    x = padded[ids].view(-1, block_size, hidden_dim)
-    padded_aff = torch.cat([affinities, affinities.new_zeros(1, affinities.shape[1])])
-    slot_aff = padded_aff[ids, experts_of_blocks.repeat_interleave(block_size)]
-    return x, slot_aff.view(-1, block_size), ids, experts_of_blocks
+    slot_expert = block_to_expert.long().repeat_interleave(block_size)
+    slots = torch.nonzero(ids < tokens).squeeze(1)
+    # block_to_expert is non-decreasing by contract, so this stable sort is a cheap no-op then;
+    # it keeps any block order correct.
+    slots = slots[torch.argsort(slot_expert[slots], stable=True)]
+    experts = slot_expert[slots]
+    counts = torch.bincount(experts, minlength=num_experts).tolist()
+    return slots, ids[slots], experts, counts
+
+
+def _per_expert(counts):
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, slice(start, start + count)
+        start += count
+
+
+def _gemm_dtype(x):
+    # PyTorch's cpu GEMM for bfloat16 / float16 falls back to a generic loop on cpus without
+    # bf16 instructions (about 20x slower than float32 on the benchmark's AVX2 machine).
+    # Products of half-precision numbers are exact in float32, so a float32 GEMM of the upcast
+    # operands, rounded once, is a half-precision GEMM with float32 accumulation (PSUM on
+    # Trainium): only the summation order differs.
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if half and x.device.type == "cpu" else x.dtype
+
+
+def _per_expert_mm(x, weights, counts):
+    """x's rows (grouped by expert, counts[e] each) times weights[e]: one matmul per expert.
+
+    Each expert's weights are a view, never a copy.
+    """
+    dtype, acc = x.dtype, _gemm_dtype(x)
+    x, weights = x.to(acc), weights.to(acc)
+    out = x.new_empty(x.shape[0], weights.shape[-1])
+    for expert, rows in _per_expert(counts):
+        torch.mm(x[rows], weights[expert], out=out[rows])
+    return out.to(dtype)
+
+
+def _per_expert_weight_grad(x, grad, counts, num_experts):
+    """sum over each expert's rows of x^T grad: (experts, x cols, grad cols), 0 for idle experts."""
+    dtype, acc = x.dtype, _gemm_dtype(x)
+    x, grad = x.to(acc), grad.to(acc)
+    out = x.new_zeros(num_experts, x.shape[1], grad.shape[1])
+    for expert, rows in _per_expert(counts):
+        torch.mm(x[rows].t(), grad[rows], out=out[expert])
+    return out.to(dtype)
+
+
+def _to_slots(rows, slots, num_slots):
+    # Empty slots hold zeros, what a zero padding row gives through the matmuls.
+    return rows.new_zeros(num_slots, rows.shape[1]).index_copy_(0, slots, rows)
 
 
 def grouped_experts_reference(
     hidden, affinities, gate_up, down, token_position_to_id, block_to_expert, block_size
 ):
-    """Reference twin: one batched matmul per projection over all blocks."""
+    """Reference twin: one matmul per expert and projection over the expert's occupied slots."""
     _check(hidden, affinities, gate_up, down, token_position_to_id, block_to_expert, block_size)
     tokens, hidden_dim = hidden.shape
-    x, slot_aff, ids, expert_of = _blocks(
-        hidden, affinities, token_position_to_id, block_to_expert, block_size
+    experts, inter = gate_up.shape[0], gate_up.shape[3]
+    slots, ids, expert_of, counts = _routed_slots(
+        token_position_to_id, block_to_expert, tokens, experts, block_size
     )
-    n, inter = x.shape[0], gate_up.shape[3]
-    pre = torch.bmm(x, gate_up.reshape(gate_up.shape[0], hidden_dim, 2 * inter)[expert_of])
-    pre = pre.view(n, block_size, 2, inter)
-    act = torch.nn.functional.silu(pre[:, :, 0]) * pre[:, :, 1]
-    down_act = torch.bmm(act, down[expert_of])
-    scaled = (down_act * slot_aff[..., None].to(down_act.dtype)).view(-1, hidden_dim)
-    out = hidden.new_zeros(tokens + 1, hidden_dim).index_add_(0, ids, scaled)[:tokens]
-    return out, pre.permute(0, 2, 3, 1).contiguous(), down_act
+    x = hidden[ids]
+    pre = _per_expert_mm(x, gate_up.reshape(experts, hidden_dim, 2 * inter), counts)
+    gate, up = pre.view(-1, 2, inter).unbind(1)
+    down_act = _per_expert_mm(torch.nn.functional.silu(gate) * up, down, counts)
+    scaled = down_act * affinities[ids, expert_of][:, None].to(down_act.dtype)
+    out = hidden.new_zeros(tokens, hidden_dim).index_add_(0, ids, scaled)
+    n = block_to_expert.shape[0]
+    pre_slots = _to_slots(pre, slots, n * block_size).view(n, block_size, 2, inter)
+    down_slots = _to_slots(down_act, slots, n * block_size).view(n, block_size, hidden_dim)
+    return out, pre_slots.permute(0, 2, 3, 1).contiguous(), down_slots
 
 
 def grouped_experts_backward_reference(
@@ -133,37 +189,32 @@ def grouped_experts_backward_reference(
     _check(hidden, affinities, gate_up, down, token_position_to_id, block_to_expert, block_size)
     tokens, hidden_dim = hidden.shape
     experts, inter = gate_up.shape[0], gate_up.shape[3]
-    x, slot_aff, ids, expert_of = _blocks(
-        hidden, affinities, token_position_to_id, block_to_expert, block_size
+    slots, ids, expert_of, counts = _routed_slots(
+        token_position_to_id, block_to_expert, tokens, experts, block_size
     )
-    n = x.shape[0]
-    padded_grad = torch.cat([grad_out, grad_out.new_zeros(1, hidden_dim)])
-    g = padded_grad[ids].view(n, block_size, hidden_dim)
+    g = grad_out[ids]
     # d affinity[t, e] = sum_h dOut[t, h] * down_act[slot, h]
-    slot_grad_aff = (g * down_activations).sum(-1).reshape(-1)
-    grad_aff = affinities.new_zeros(tokens + 1, experts)
-    grad_aff.index_put_(
-        (ids, expert_of.repeat_interleave(block_size)), slot_grad_aff.to(affinities.dtype), True
-    )
-    g_down = g * slot_aff[..., None].to(g.dtype)
-    pre = gate_up_activations.permute(0, 3, 1, 2)  # (n, block, 2, inter)
-    gate, up = pre[:, :, 0], pre[:, :, 1]
+    down_act = down_activations.reshape(-1, hidden_dim)[slots]
+    grad_aff = affinities.new_zeros(tokens, experts)
+    grad_aff.index_put_((ids, expert_of), (g * down_act).sum(-1).to(affinities.dtype), True)
+    g_down = g * affinities[ids, expert_of][:, None].to(g.dtype)
+    # (blocks, 2, inter, block) checkpoint -> (rows, 2, inter), gathering only occupied slots.
+    pre = gate_up_activations[slots // block_size, :, :, slots % block_size]
+    gate, up = pre.unbind(1)
     sig = torch.sigmoid(gate)
     silu = gate * sig
     act = silu * up
-    grad_down = down.new_zeros(experts, inter, hidden_dim)
-    grad_down.index_add_(0, expert_of, torch.bmm(act.transpose(1, 2), g_down))
-    grad_act = torch.bmm(g_down, down[expert_of].transpose(1, 2))
+    grad_down = _per_expert_weight_grad(act, g_down, counts, experts)
+    grad_act = _per_expert_mm(g_down, down.transpose(1, 2), counts)
     grad_gate = grad_act * up * sig * (1 + gate * (1 - sig))
-    grad_pre = torch.stack([grad_gate, grad_act * silu], dim=2).view(n, block_size, 2 * inter)
+    grad_pre = torch.stack([grad_gate, grad_act * silu], dim=1).view(-1, 2 * inter)
     w = gate_up.reshape(experts, hidden_dim, 2 * inter)
-    grad_gate_up = gate_up.new_zeros(experts, hidden_dim, 2 * inter)
-    grad_gate_up.index_add_(0, expert_of, torch.bmm(x.transpose(1, 2), grad_pre))
-    grad_x = torch.bmm(grad_pre, w[expert_of].transpose(1, 2)).reshape(-1, hidden_dim)
-    grad_hidden = hidden.new_zeros(tokens + 1, hidden_dim).index_add_(0, ids, grad_x)[:tokens]
+    grad_gate_up = _per_expert_weight_grad(hidden[ids], grad_pre, counts, experts)
+    grad_x = _per_expert_mm(grad_pre, w.transpose(1, 2), counts)
+    grad_hidden = hidden.new_zeros(tokens, hidden_dim).index_add_(0, ids, grad_x)
     return (
         grad_hidden,
-        grad_aff[:tokens],
+        grad_aff,
         grad_gate_up.view(experts, hidden_dim, 2, inter),
         grad_down,
     )

@@ -57,22 +57,28 @@ def _rotate_half_transposed(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x2, -x1), dim=-1)
 
 
+def _combine(x_cos: torch.Tensor, rotated_sin: torch.Tensor) -> torch.Tensor:
+    # In place on the fresh products: the same roundings as `x_cos + rotated_sin`, one
+    # full-size allocation fewer (memory traffic is all this op costs on cpu).
+    return x_cos.add_(rotated_sin).contiguous()
+
+
 def rope_reference(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor):
     """Reference twin: y = x * cos + rotate_half(x) * sin, in the operation order of torchtitan."""
     _check(query, key, rope_cache)
     cos, sin = _cos_sin(rope_cache, query.shape[1], query.shape[3], query.dtype)
-    q_out = (query * cos) + (_rotate_half(query) * sin)
-    k_out = (key * cos) + (_rotate_half(key) * sin)
-    return q_out.contiguous(), k_out.contiguous()
+    q_out = _combine(query * cos, _rotate_half(query).mul_(sin))
+    k_out = _combine(key * cos, _rotate_half(key).mul_(sin))
+    return q_out, k_out
 
 
 def rope_backward_reference(grad_q: torch.Tensor, grad_k: torch.Tensor, rope_cache: torch.Tensor):
     """Reference twin of the backward: dx = dy * cos + cat(dy2 * sin2, -dy1 * sin1)."""
     _check(grad_q, grad_k, rope_cache)
     cos, sin = _cos_sin(rope_cache, grad_q.shape[1], grad_q.shape[3], grad_q.dtype)
-    dq = (grad_q * cos) + _rotate_half_transposed(grad_q * sin)
-    dk = (grad_k * cos) + _rotate_half_transposed(grad_k * sin)
-    return dq.contiguous(), dk.contiguous()
+    dq = _combine(grad_q * cos, _rotate_half_transposed(grad_q * sin))
+    dk = _combine(grad_k * cos, _rotate_half_transposed(grad_k * sin))
+    return dq, dk
 
 
 def rope_nki(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, backward: bool):
