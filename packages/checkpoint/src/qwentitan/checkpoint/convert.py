@@ -61,7 +61,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         first_of[t.hf_names] = t.name
         if not t.hf_names:  # expert_bias_E: torchtitan's load-balancing buffer starts at zero
             specs[t.name] = (t.shape, torch.float32)
-            producers[t.name] = lambda start, stop, out: out.zero_()
+            producers[t.name] = _zeros
             continue
         dtypes = {hf.tensors[n].dtype for n in t.hf_names}
         if len(dtypes) != 1:
@@ -95,16 +95,22 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     return dst
 
 
+def _zeros(start: int, stop: int, out: torch.Tensor) -> None:
+    out.zero_()
+
+
 def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype) -> dcp_io.Producer:
-    """Rows [start, stop) of `t` into `out`: experts start..stop-1 when stacked, else bytes."""
+    """Rows [start, stop) of `t`: stacked experts read into `out`, else where the rows lie in
+    the source file (DCP's writer then copies them file to file)."""
     row_bytes = dcp_io.nbytes_of(t.shape[1:], dtype)
 
-    def produce(start: int, stop: int, out: torch.Tensor) -> None:
+    def produce(start: int, stop: int, out: torch.Tensor) -> dcp_io.FileBytes | None:
         if t.stacked:
             for e in range(start, stop):
                 read_into(hf.tensors[t.hf_names[e]], out[e - start])
-        else:
-            read_into(hf.tensors[t.hf_names[0]], out, offset=start * row_bytes)
+            return None
+        stored = hf.tensors[t.hf_names[0]]
+        return dcp_io.FileBytes(stored.file, stored.start + start * row_bytes, out.nbytes)
 
     return produce
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import mmap
 import os
 import pickle
 import threading
@@ -45,8 +46,22 @@ from qwentitan.checkpoint.errors import CheckpointError
 
 METADATA = ".metadata"
 Shape = tuple[int, ...]
-# (start, stop, out): fill `out` with rows [start, stop) of a tensor along dim 0
-Producer = Callable[[int, int, torch.Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class FileBytes:
+    """A piece's bytes as they already lie in a file: `nbytes` from `offset` of `path`."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
+# (start, stop, out): rows [start, stop) of a tensor along dim 0, either filled into `out`
+# (returning None) or named where they lie in a file, to be copied file to file
+Producer = Callable[[int, int, torch.Tensor], FileBytes | None]
+# Below this, a piece is written the ordinary way (a file-to-file copy saves nothing).
+_SPLICE_MIN = 1 << 20
 
 
 def nbytes_of(shape: Shape, dtype: torch.dtype) -> int:
@@ -108,17 +123,76 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 class _RetiringFileSystem(FileSystem):
-    """DCP's local file system, telling the planner when a written file is closed."""
+    """DCP's local file system, telling the planner when a written file is closed, and
+    copying pieces that lie in a source file file-to-file (see `_SplicingWriter`)."""
 
-    def __init__(self, on_close: Callable[[], None]):
+    def __init__(self, on_close: Callable[[], None], source_of: Callable[[int, int], FileBytes]):
         super().__init__()
         self._on_close = on_close
+        self._source_of = source_of
 
     @contextmanager
     def create_stream(self, path, mode):  # type: ignore[override]
         with super().create_stream(path, mode) as stream:
-            yield stream
+            yield _SplicingWriter(stream, self._source_of)
         self._on_close()
+
+
+class _SplicingWriter:
+    """A file stream for `torch.save` that copies a mapped source piece with copy_file_range.
+
+    torch.save writes a tensor's storage in one `write` of its bytes. When those bytes are a
+    read-only map of a source file region (what `FileBytes` becomes), the kernel copies the
+    region file to file instead: no page of the map is ever touched, and on the development
+    VM copying through user memory cost several times the system time of `cp` (3.4 GB: 2.4 s
+    from a file map, 11 s from anonymous memory, 1.4 s file to file).
+    """
+
+    def __init__(self, stream, source_of: Callable[[int, int], FileBytes | None]):
+        self._stream = stream
+        self._source_of = source_of
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        source = None
+        if view.nbytes >= _SPLICE_MIN:
+            with warnings.catch_warnings():  # read-only bytes, only their address is taken
+                warnings.simplefilter("ignore", UserWarning)
+                address = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+            source = self._source_of(address, view.nbytes)
+        if source is None or not self._splice(source):
+            return self._stream.write(data)
+        return view.nbytes
+
+    def _splice(self, source: FileBytes) -> bool:
+        self._stream.flush()
+        at = self._stream.tell()
+        done = 0
+        with open(source.path, "rb", buffering=0) as src:
+            while done < source.nbytes:
+                try:
+                    got = os.copy_file_range(
+                        src.fileno(),
+                        self._stream.fileno(),
+                        source.nbytes - done,
+                        source.offset + done,
+                        at + done,
+                    )
+                except OSError:
+                    if done:
+                        raise
+                    return False  # no file-to-file copy between these file systems
+                if not got:
+                    raise CheckpointError(
+                        f"{source.path} ended while copying from it; the file was truncated "
+                        "during conversion, re-download it."
+                    )
+                done += got
+        self._stream.seek(at + done)
+        return True
+
+    def __getattr__(self, name: str):  # tell, flush, fileno, close, ... of the file itself
+        return getattr(self._stream, name)
 
 
 class _InFlight:
@@ -156,6 +230,7 @@ class _LazySavePlanner(DefaultSavePlanner):
         self._budget = budget
         self._on_written = on_written
         self._last = threading.local()  # .item: the piece in flight; .buffer: the thread's bytes
+        self._mapped: dict[tuple[int, int], FileBytes] = {}  # (address, nbytes) of live maps
         self.resolved: set[tuple[str, int]] = set()  # (fqn, first row) of each piece produced
         self.pieces = 0
         # FileSystemWriter's extra threads swallow exceptions (the thread just ends and its
@@ -195,7 +270,8 @@ class _LazySavePlanner(DefaultSavePlanner):
         self._last.item = None
         previous.finalizer()  # counts the bytes as written and returns them to the budget, once
 
-    def _written(self, taken: int, nbytes: int) -> None:
+    def _written(self, taken: int, nbytes: int, address: int) -> None:
+        self._mapped.pop((address, nbytes), None)
         self._budget.release(taken)
         self._on_written(nbytes)
 
@@ -212,8 +288,9 @@ class _LazySavePlanner(DefaultSavePlanner):
         nbytes = nbytes_of(tuple(chunk.sizes), dtype)
         taken = self._budget.acquire(nbytes)
         try:
-            tensor = self._thread_buffer(nbytes, dtype).view(tuple(chunk.sizes))
-            self._producers[fqn](start, stop, tensor)
+            out = self._thread_buffer(nbytes, dtype).view(tuple(chunk.sizes))
+            source = self._producers[fqn](start, stop, out)
+            tensor = out if source is None else self._map(source, out)
         except BaseException as e:
             self._budget.release(taken)
             self.error = self.error or e
@@ -223,9 +300,36 @@ class _LazySavePlanner(DefaultSavePlanner):
         # it, so watching the returned object would release the budget at once. The record
         # also dies with its writer thread, which then returns the bytes.
         record = _InFlight(tensor)
-        record.finalizer = weakref.finalize(record, self._written, taken, tensor.nbytes)
+        record.finalizer = weakref.finalize(
+            record, self._written, taken, tensor.nbytes, tensor.data_ptr()
+        )
         self._last.item = record
         return tensor
+
+    def _map(self, source: FileBytes, like: torch.Tensor) -> torch.Tensor:
+        """The source bytes as a tensor like `like` over a read-only map of just that region.
+
+        torch.save needs a tensor; its one write of these bytes is turned into a file-to-file
+        copy by `_SplicingWriter`, so the map only lends them an address.
+        """
+        assert source.nbytes == like.nbytes, source
+        aligned = source.offset - source.offset % mmap.ALLOCATIONGRANULARITY
+        with open(source.path, "rb", buffering=0) as f:
+            mapped = mmap.mmap(
+                f.fileno(),
+                source.offset + source.nbytes - aligned,
+                offset=aligned,
+                access=mmap.ACCESS_READ,
+            )
+        view = memoryview(mapped)[source.offset - aligned :]
+        with warnings.catch_warnings():  # read-only: DCP and torch.save only read it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(view, dtype=torch.uint8)
+        self._mapped[(tensor.data_ptr(), source.nbytes)] = source  # forgotten when retired
+        return tensor.view(like.dtype).view(like.shape)
+
+    def source_of(self, address: int, nbytes: int) -> FileBytes | None:
+        return self._mapped.get((address, nbytes))
 
     def _thread_buffer(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """`nbytes` of this thread's buffer as a 1-D `dtype` tensor whose storage is exactly
@@ -283,7 +387,7 @@ def save(
     )
     # Each file holds one chunk: when its stream closes, that chunk is on disk, so retire it
     # there and then (a thread that waits in join() must not keep holding the budget).
-    writer.fs = _RetiringFileSystem(planner.finish_thread)
+    writer.fs = _RetiringFileSystem(planner.finish_thread, planner.source_of)
     try:
         with _quiet_single_process():
             dcp.save(meta, storage_writer=writer, planner=planner, no_dist=True)
