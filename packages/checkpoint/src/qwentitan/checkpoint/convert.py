@@ -100,17 +100,18 @@ def _zeros(start: int, stop: int, out: torch.Tensor) -> None:
 
 
 def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype) -> dcp_io.Producer:
-    """Rows [start, stop) of `t`: stacked experts read into `out`, else where the rows lie in
-    the source file (DCP's writer then copies them file to file)."""
+    """Rows [start, stop) of `t`: where they lie in the source files, which DCP's writer copies
+    file to file; stacked experts are also read into `out`, in case it cannot."""
     row_bytes = dcp_io.nbytes_of(t.shape[1:], dtype)
 
-    def produce(start: int, stop: int, out: torch.Tensor) -> dcp_io.FileBytes | None:
+    def produce(start: int, stop: int, out: torch.Tensor) -> dcp_io.FileBytes:
         if t.stacked:
-            for e in range(start, stop):
-                read_into(hf.tensors[t.hf_names[e]], out[e - start])
-            return None
+            experts = [hf.tensors[name] for name in t.hf_names[start:stop]]
+            for e, stored in enumerate(experts):
+                read_into(stored, out[e])
+            return dcp_io.FileBytes(tuple((s.file, s.start, s.nbytes) for s in experts))
         stored = hf.tensors[t.hf_names[0]]
-        return dcp_io.FileBytes(stored.file, stored.start + start * row_bytes, out.nbytes)
+        return dcp_io.FileBytes(((stored.file, stored.start + start * row_bytes, out.nbytes),))
 
     return produce
 

@@ -50,15 +50,19 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True, slots=True)
 class FileBytes:
-    """A piece's bytes as they already lie in a file: `nbytes` from `offset` of `path`."""
+    """A piece's bytes as they already lie in files: (path, offset, nbytes) parts, in order."""
 
-    path: Path
-    offset: int
-    nbytes: int
+    parts: tuple[tuple[Path, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.parts)
 
 
-# (start, stop, out): rows [start, stop) of a tensor along dim 0, either filled into `out`
-# (returning None) or named where they lie in a file, to be copied file to file
+# (start, stop, out) -> rows [start, stop) of a tensor along dim 0, given one of three ways:
+# filled into `out` (returns None); as one file region, nothing read (returns its FileBytes);
+# or both, filled into `out` from several regions (returns their FileBytes). DCP's writer
+# copies FileBytes file to file, falling back to writing the tensor's bytes.
 Producer = Callable[[int, int, torch.Tensor], FileBytes | None]
 # Below this, a piece is written the ordinary way (a file-to-file copy saves nothing).
 _SPLICE_MIN = 1 << 20
@@ -166,29 +170,27 @@ class _SplicingWriter:
 
     def _splice(self, source: FileBytes) -> bool:
         self._stream.flush()
-        at = self._stream.tell()
-        done = 0
-        with open(source.path, "rb", buffering=0) as src:
-            while done < source.nbytes:
-                try:
-                    got = os.copy_file_range(
-                        src.fileno(),
-                        self._stream.fileno(),
-                        source.nbytes - done,
-                        source.offset + done,
-                        at + done,
-                    )
-                except OSError:
-                    if done:
-                        raise
-                    return False  # no file-to-file copy between these file systems
-                if not got:
-                    raise CheckpointError(
-                        f"{source.path} ended while copying from it; the file was truncated "
-                        "during conversion, re-download it."
-                    )
-                done += got
-        self._stream.seek(at + done)
+        start = at = self._stream.tell()
+        for path, offset, nbytes in source.parts:
+            done = 0
+            with open(path, "rb", buffering=0) as src:
+                while done < nbytes:
+                    try:
+                        got = os.copy_file_range(
+                            src.fileno(), self._stream.fileno(), nbytes - done, offset + done, at
+                        )
+                    except OSError:
+                        if at > start:
+                            raise
+                        return False  # no file-to-file copy between these file systems
+                    if not got:
+                        raise CheckpointError(
+                            f"{path} ended while copying from it; the file was truncated "
+                            "during conversion, re-download it."
+                        )
+                    done += got
+                    at += got
+        self._stream.seek(at)
         return True
 
     def __getattr__(self, name: str):  # tell, flush, fileno, close, ... of the file itself
@@ -290,7 +292,9 @@ class _LazySavePlanner(DefaultSavePlanner):
         try:
             out = self._thread_buffer(nbytes, dtype).view(tuple(chunk.sizes))
             source = self._producers[fqn](start, stop, out)
-            tensor = out if source is None else self._map(source, out)
+            tensor = self._map(source, out) if source and len(source.parts) == 1 else out
+            if source is not None:  # forgotten when retired
+                self._mapped[(tensor.data_ptr(), source.nbytes)] = source
         except BaseException as e:
             self._budget.release(taken)
             self.error = self.error or e
@@ -312,20 +316,17 @@ class _LazySavePlanner(DefaultSavePlanner):
         torch.save needs a tensor; its one write of these bytes is turned into a file-to-file
         copy by `_SplicingWriter`, so the map only lends them an address.
         """
-        assert source.nbytes == like.nbytes, source
-        aligned = source.offset - source.offset % mmap.ALLOCATIONGRANULARITY
-        with open(source.path, "rb", buffering=0) as f:
+        ((path, offset, nbytes),) = source.parts
+        assert nbytes == like.nbytes, source
+        aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb", buffering=0) as f:
             mapped = mmap.mmap(
-                f.fileno(),
-                source.offset + source.nbytes - aligned,
-                offset=aligned,
-                access=mmap.ACCESS_READ,
+                f.fileno(), offset + nbytes - aligned, offset=aligned, access=mmap.ACCESS_READ
             )
-        view = memoryview(mapped)[source.offset - aligned :]
+        view = memoryview(mapped)[offset - aligned :]
         with warnings.catch_warnings():  # read-only: DCP and torch.save only read it
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.frombuffer(view, dtype=torch.uint8)
-        self._mapped[(tensor.data_ptr(), source.nbytes)] = source  # forgotten when retired
         return tensor.view(like.dtype).view(like.shape)
 
     def source_of(self, address: int, nbytes: int) -> FileBytes | None:
