@@ -192,6 +192,9 @@ def to_hf(
         shape = ckpt.tensors[t.name][0]
         piece = (rows.stop - rows.start, *shape[1:])
         cast = 0 if export_dtype is None else dcp_io.nbytes_of(piece, export_dtype)
+        offset = None if export_dtype is not None or not t.hf_names else ckpt.data_offset(rows)
+        if offset is not None and _copy_file_to_file(t, rows, shape, offset):
+            return
         with budget.hold(rows.cost + cast):
             value = ckpt.load_rows(rows)
             if not t.hf_names:
@@ -209,6 +212,25 @@ def to_hf(
                 offset = rows.start * dcp_io.nbytes_of(shape[1:], value.dtype)
                 writer.write(t.hf_names[0], value, offset=offset)
                 advance(value.nbytes)
+
+    def _copy_file_to_file(t: TitanTensor, rows: dcp_io.Rows, shape, offset: int) -> bool:
+        # The piece's bytes lie as they are in its DCP file: no load, no copy through memory.
+        dtype = ckpt.tensors[t.name][1]
+        if not t.stacked:
+            nbytes = dcp_io.nbytes_of((rows.stop - rows.start, *shape[1:]), dtype)
+            at = rows.start * dcp_io.nbytes_of(shape[1:], dtype)
+            if not writer.copy(t.hf_names[0], rows.file, offset, nbytes, at):
+                return False
+            advance(nbytes)
+            return True
+        expert = dcp_io.nbytes_of(shape[1:], dtype)
+        for i, name in enumerate(t.hf_names[rows.start : rows.stop]):
+            if not writer.copy(name, rows.file, offset + i * expert, expert):
+                if i:
+                    raise RuntimeError(f"copy_file_range stopped working midway through {name}")
+                return False
+            advance(expert)
+        return True
 
     with staged_folder(dst) as tmp, byte_progress(f"to-hf {src.name}", total) as advance:
         writer = ShardedWriter(tmp, entries, shard_bytes)

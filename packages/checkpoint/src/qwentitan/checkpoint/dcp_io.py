@@ -16,9 +16,11 @@ import itertools
 import mmap
 import os
 import pickle
+import re
 import threading
 import warnings
 import weakref
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ class FileBytes:
 Producer = Callable[[int, int, torch.Tensor], FileBytes | None]
 # Below this, a piece is written the ordinary way (a file-to-file copy saves nothing).
 _SPLICE_MIN = 1 << 20
+_STORAGE_RECORD = re.compile(r"(?:.*/)?data/\d+")  # a storage's record in a torch.save zip
 
 
 def nbytes_of(shape: Shape, dtype: torch.dtype) -> int:
@@ -545,6 +548,36 @@ class DCPFolder:
             ) from None
         value = out[rows.fqn]
         return value if rows.file is None else value[rows.start : rows.stop]
+
+    def data_offset(self, rows: Rows) -> int | None:
+        """Where the raw bytes of a piece alone in its file start, for file-to-file copies.
+
+        The file is torch.save's zip (stored, not compressed) holding the piece's storage as
+        one record; None when it is not laid out that way.
+        """
+        if rows.file is None:
+            return None
+        shape, dtype = self.tensors[rows.fqn]
+        nbytes = nbytes_of((rows.stop - rows.start, *shape[1:]), dtype)
+        try:
+            with zipfile.ZipFile(rows.file) as archive:
+                records = [i for i in archive.infolist() if _STORAGE_RECORD.fullmatch(i.filename)]
+            if (
+                len(records) != 1
+                or records[0].compress_type != zipfile.ZIP_STORED
+                or records[0].file_size != nbytes
+            ):
+                return None
+            with open(rows.file, "rb") as f:
+                f.seek(records[0].header_offset)
+                header = f.read(30)  # the zip local file header, then its name and extra field
+            if header[:4] != b"PK\x03\x04":
+                return None
+            name_len = int.from_bytes(header[26:28], "little")
+            extra_len = int.from_bytes(header[28:30], "little")
+            return records[0].header_offset + 30 + name_len + extra_len
+        except (OSError, zipfile.BadZipFile):
+            return None
 
     def load(self, fqn: str) -> torch.Tensor:
         """One tensor, whole, assembled from its pieces."""

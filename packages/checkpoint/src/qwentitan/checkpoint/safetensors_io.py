@@ -300,6 +300,30 @@ class ShardedWriter:
         while done < len(view):
             done += os.pwrite(fd, view[done:], start + offset + done)
 
+    def copy(self, name: str, src: Path, offset: int, nbytes: int, at: int = 0) -> bool:
+        """Copy `nbytes` from `offset` of file `src` into `name`'s place (from its byte `at`)
+        file to file; False, having written nothing, where the file systems cannot."""
+        fd, start, size = self.where[name]
+        assert at + nbytes <= size, name
+        done = 0
+        with open(src, "rb", buffering=0) as f:
+            while done < nbytes:
+                try:
+                    got = os.copy_file_range(
+                        f.fileno(), fd, nbytes - done, offset + done, start + at + done
+                    )
+                except OSError:
+                    if done:
+                        raise
+                    return False
+                if not got:
+                    raise CheckpointError(
+                        f"{src} ended while copying from it; the file was truncated during "
+                        "conversion, re-save it."
+                    )
+                done += got
+        return True
+
     def close(self, sync: bool = True) -> None:
         for fd in self._fds:
             if sync:
