@@ -224,12 +224,20 @@ def to_hf(
             advance(nbytes)
             return True
         expert = dcp_io.nbytes_of(shape[1:], dtype)
-        for i, name in enumerate(t.hf_names[rows.start : rows.stop]):
-            if not writer.copy(name, rows.file, offset + i * expert, expert):
+        names = t.hf_names[rows.start : rows.stop]
+        # Experts lie one after another in the shard as in the chunk: one copy per unbroken run.
+        i = 0
+        while i < len(names):
+            j = i + 1
+            while j < len(names) and writer.follows(names[j], names[j - 1]):
+                j += 1
+            nbytes = (j - i) * expert
+            if not writer.copy(names[i], rows.file, offset + i * expert, nbytes):
                 if i:
-                    raise RuntimeError(f"copy_file_range stopped working midway through {name}")
+                    raise RuntimeError(f"copy_file_range stopped working midway at {names[i]}")
                 return False
-            advance(expert)
+            advance(nbytes)
+            i = j
         return True
 
     with staged_folder(dst) as tmp, byte_progress(f"to-hf {src.name}", total) as advance:

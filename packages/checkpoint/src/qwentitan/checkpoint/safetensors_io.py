@@ -300,11 +300,18 @@ class ShardedWriter:
         while done < len(view):
             done += os.pwrite(fd, view[done:], start + offset + done)
 
+    def follows(self, name: str, previous: str) -> bool:
+        """Whether `name`'s bytes start where `previous`'s end, in the same shard."""
+        fd, start, _ = self.where[name]
+        prev_fd, prev_start, prev_size = self.where[previous]
+        return fd == prev_fd and start == prev_start + prev_size
+
     def copy(self, name: str, src: Path, offset: int, nbytes: int, at: int = 0) -> bool:
-        """Copy `nbytes` from `offset` of file `src` into `name`'s place (from its byte `at`)
-        file to file; False, having written nothing, where the file systems cannot."""
-        fd, start, size = self.where[name]
-        assert at + nbytes <= size, name
+        """Copy `nbytes` from `offset` of file `src` into the shard from byte `at` of `name`'s
+        place on (possibly on into the tensors that follow it in the shard), file to file;
+        False, having written nothing, where the file systems cannot."""
+        fd, start, _ = self.where[name]
+        assert start + at + nbytes <= os.fstat(fd).st_size, name
         done = 0
         with open(src, "rb", buffering=0) as f:
             while done < nbytes:
