@@ -10,6 +10,7 @@ the child: ru_maxrss would report the parent's peak, which exec carries over):
 
 The three are timed in interleaved rounds (cp, to-dcp, to-hf, cp, ...) on this shared disk, so
 a slow spell hits all of them alike; the table shows each one's median and fastest round.
+Before each timed step the page cache is flushed and, when run as root, dropped (see `settle`).
 - torchtitan's route, last: its Qwen3StateDictAdapter with DCP's HuggingFaceStorageReader into
   a float32 model state dict, `dcp.save`; back with HuggingFaceStorageWriter + consolidation.
   It needs 12-22 GiB of RAM, so it runs only with enough memory available (or never with
@@ -130,9 +131,24 @@ def sync() -> None:
     subprocess.run(["sync"], check=True)
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def settle() -> bool:
+    """Flush, then drop the clean page cache where allowed (root): every timed step then
+    starts with the same free memory and reads its input from disk. Otherwise whichever step
+    follows a deletion gets the freed pages and the one after it pays for reclaiming them."""
+    sync()
+    try:
+        DROP_CACHES.write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
 def timed_child(argv: list[str]) -> tuple[float, int]:
     """Run a child process; (seconds it reports, its peak RSS in bytes as it reports it)."""
-    sync()
+    settle()
     proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:4]} failed with exit code {proc.returncode}")
@@ -149,7 +165,7 @@ def peak_rss() -> int:
 
 
 def copy_baseline(src: Path, dst: Path) -> float:
-    sync()
+    settle()
     start = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     sync()
@@ -364,8 +380,13 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
+    cold = settle()
     print(
-        f"\nmedian of {args.repeat} interleaved rounds for cp, to-dcp and to-hf (x copy: median "
+        "\nevery timed step started "
+        + ("with the page cache dropped (inputs read from disk)" if cold else "after a sync")
+    )
+    print(
+        f"median of {args.repeat} interleaved rounds for cp, to-dcp and to-hf (x copy: median "
         "vs median, and fastest vs fastest); peak RSS is the largest of the rounds"
     )
     print(
