@@ -47,7 +47,7 @@ def test_ranks_agree_when_only_one_received_the_signal(tmp_path):
             if dist.get_rank() == 1:
                 os.kill(os.getpid(), signal.SIGUSR1)
             second = watch.stop_requested()
-            # One write per line: with PYTHONUNBUFFERED (set on CI) print writes the newline
+            # One write per line: with PYTHONUNBUFFERED (set here) print writes the newline
             # separately, and it can land after the other rank's line on the shared pipe.
             sys.stdout.write(f"rank{dist.get_rank()} first={first} second={second}\\n")
             sys.stdout.flush()
