@@ -193,7 +193,7 @@ def to_hf(
         piece = (rows.stop - rows.start, *shape[1:])
         cast = 0 if export_dtype is None else dcp_io.nbytes_of(piece, export_dtype)
         offset = None if export_dtype is not None or not t.hf_names else ckpt.data_offset(rows)
-        if offset is not None and _copy_file_to_file(t, rows, shape, offset):
+        if offset is not None and copy_file_to_file(t, rows, shape, offset):
             return
         with budget.hold(rows.cost + cast):
             value = ckpt.load_rows(rows)
@@ -209,11 +209,11 @@ def to_hf(
                     writer.write(name, part)
                     advance(part.nbytes)
             else:
-                offset = rows.start * dcp_io.nbytes_of(shape[1:], value.dtype)
-                writer.write(t.hf_names[0], value, offset=offset)
+                at = rows.start * dcp_io.nbytes_of(shape[1:], value.dtype)
+                writer.write(t.hf_names[0], value, offset=at)
                 advance(value.nbytes)
 
-    def _copy_file_to_file(t: TitanTensor, rows: dcp_io.Rows, shape, offset: int) -> bool:
+    def copy_file_to_file(t: TitanTensor, rows: dcp_io.Rows, shape, offset: int) -> bool:
         # The piece's bytes lie as they are in its DCP file: no load, no copy through memory.
         dtype = ckpt.tensors[t.name][1]
         if not t.stacked:

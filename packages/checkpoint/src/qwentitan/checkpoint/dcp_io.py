@@ -133,7 +133,9 @@ class _RetiringFileSystem(FileSystem):
     """DCP's local file system, telling the planner when a written file is closed, and
     copying pieces that lie in a source file file-to-file (see `_SplicingWriter`)."""
 
-    def __init__(self, on_close: Callable[[], None], source_of: Callable[[int, int], FileBytes]):
+    def __init__(
+        self, on_close: Callable[[], None], source_of: Callable[[int, int], FileBytes | None]
+    ):
         super().__init__()
         self._on_close = on_close
         self._source_of = source_of
@@ -146,11 +148,12 @@ class _RetiringFileSystem(FileSystem):
 
 
 class _SplicingWriter:
-    """A file stream for `torch.save` that copies a mapped source piece with copy_file_range.
+    """A file stream for `torch.save` that copies a piece's source regions with copy_file_range.
 
-    torch.save writes a tensor's storage in one `write` of its bytes. When those bytes are a
-    read-only map of a source file region (what `FileBytes` becomes), the kernel copies the
-    region file to file instead: no page of the map is ever touched, and on the development
+    torch.save writes a tensor's storage in one `write` of its bytes. When that storage is a
+    piece the planner knows the source regions of (`FileBytes`: a read-only map of one region,
+    or a thread buffer filled from several), the kernel copies the regions file to file
+    instead: no page of a map is ever touched, and on the development
     VM copying through user memory cost several times the system time of `cp` (3.4 GB: 2.4 s
     from a file map, 11 s from anonymous memory, 1.4 s file to file).
     """
@@ -213,9 +216,10 @@ class _InFlight:
 class _LazySavePlanner(DefaultSavePlanner):
     """Hands DCP each piece only when a writer thread is about to write it.
 
-    Each writer thread fills one buffer of its own, over and over: a fresh allocation per piece
-    would cost the kernel a page fault and a zeroed page for every 4 KiB (several times the
-    time of the write itself). FileSystemWriter keeps a reference to the piece it last wrote
+    A piece lying whole in one source region is handed over as a read-only map of it (nothing
+    read); any other is filled into one buffer of the writer thread's own, over and over: a
+    fresh allocation per piece would cost the kernel a page fault and a zeroed page for every
+    4 KiB (several times the time of the write itself). FileSystemWriter keeps a reference to the piece it last wrote
     until it resolves the next one; that piece is already on disk and never read again, so the
     buffer is reused and the piece's bytes returned to the budget before the next is produced.
     """
