@@ -7,14 +7,15 @@ the child: ru_maxrss would report the parent's peak, which exec carries over):
 
 - `cp -r` of the HF folder followed by `sync`: the disk's own speed, the baseline;
 - `to_dcp` and `to_hf` (conversion time measured inside the child, without interpreter start);
-
-The three are timed in interleaved rounds (cp, to-dcp, to-hf, cp, ...) on this shared disk, so
-a slow spell hits all of them alike; the table shows each one's median and fastest round.
-Before each timed step the page cache is flushed and, when run as root, dropped (see `settle`).
 - torchtitan's route, last: its Qwen3StateDictAdapter with DCP's HuggingFaceStorageReader into
   a float32 model state dict, `dcp.save`; back with HuggingFaceStorageWriter + consolidation.
   It needs 12-22 GiB of RAM, so it runs only with enough memory available (or never with
   --skip-torchtitan).
+
+The first three are timed in interleaved rounds (cp, to-dcp, to-hf, cp, ...) on this shared
+disk, so a slow spell hits all of them alike; the table shows each one's median and fastest
+round. Right before each timed step (in the child: after its imports) the page cache is flushed
+and, when run as root, dropped (see `settle`).
 
 Run: `uv run nox -s bench -- checkpoint` or `uv run python benchmarks/bench_checkpoint.py`.
 """
@@ -148,7 +149,6 @@ def settle() -> bool:
 
 def timed_child(argv: list[str]) -> tuple[float, int]:
     """Run a child process; (seconds it reports, its peak RSS in bytes as it reports it)."""
-    settle()
     proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:4]} failed with exit code {proc.returncode}")
@@ -180,6 +180,12 @@ def child(args: list[str]) -> None:
     what, src, dst = args[0], Path(args[1]), Path(args[2])
     from qwentitan.checkpoint import to_dcp, to_hf  # imports are not part of the timing
 
+    # Settle here, after the imports, not in the parent before the child starts: `cp` starts
+    # right after its settle, and so must we. On this VM (free page reporting on) memory freed
+    # by the drop and then left idle for the seconds an import takes is handed back to the host,
+    # and touching it again cost the same conversion 1.3-2x its system time (measured: to-hf of
+    # the 1.7B shapes 4.0-5.3 s starting at once, 5.3-6.1 s starting 5 s after the drop).
+    settle()
     start = time.perf_counter()
     if what == "to-dcp":
         to_dcp(src, dst)
