@@ -185,11 +185,11 @@ def test_failure_midway_leaves_no_output_and_source_untouched(make_hf, tmp_path,
     calls = {"n": 0}
     real = safetensors_io.read_into
 
-    def failing(stored, out, **kwargs):
+    def failing(stored, out):
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError("disk went away")
-        real(stored, out, **kwargs)
+        real(stored, out)
 
     monkeypatch.setattr("qwentitan.checkpoint.convert.read_into", failing)
     monkeypatch.setattr("qwentitan.checkpoint.safetensors_io.read_into", failing)

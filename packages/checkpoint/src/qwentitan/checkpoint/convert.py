@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from qwentitan.checkpoint import dcp_io
+from qwentitan.checkpoint.disk import nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
 from qwentitan.checkpoint.layout import (
     DTYPES,
@@ -72,9 +73,9 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         specs[t.name] = (t.shape, dtypes.pop())
         producers[t.name] = _producer(hf, t, specs[t.name][1])
 
-    total = sum(dcp_io.nbytes_of(s, d) for s, d in specs.values())
+    total = sum(nbytes_of(s, d) for s, d in specs.values())
     largest_piece = max(
-        dcp_io.nbytes_of((stop - start, *s[1:]), d)
+        nbytes_of((stop - start, *s[1:]), d)
         for s, d in specs.values()
         for start, stop in dcp_io.row_chunks(s, d, CHUNK_BYTES)
     )
@@ -102,7 +103,7 @@ def _zeros(start: int, stop: int, out: torch.Tensor) -> None:
 def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype) -> dcp_io.Producer:
     """Rows [start, stop) of `t`: where they lie in the source files, which DCP's writer copies
     file to file; stacked experts are also read into `out`, in case it cannot."""
-    row_bytes = dcp_io.nbytes_of(t.shape[1:], dtype)
+    row_bytes = nbytes_of(t.shape[1:], dtype)
 
     def produce(start: int, stop: int, out: torch.Tensor) -> dcp_io.FileBytes:
         if t.stacked:
@@ -182,7 +183,7 @@ def to_hf(
         out_dtype = export_dtype or ckpt.tensors[t.name][1]
         per = t.shape[1:] if t.stacked else t.shape
         entries += [(name, out_dtype, per) for name in t.hf_names]
-    total = sum(dcp_io.nbytes_of(s, d) for _, d, s in entries)
+    total = sum(nbytes_of(s, d) for _, d, s in entries)
     budget = dcp_io.MemoryBudget(MEMORY_BUDGET)
     dropped_bias: set[str] = set()
 
@@ -191,7 +192,7 @@ def to_hf(
         # to_dcp wrote), else the whole tensor; experts stacked on dim 0 unstack per chunk.
         shape = ckpt.tensors[t.name][0]
         piece = (rows.stop - rows.start, *shape[1:])
-        cast = 0 if export_dtype is None else dcp_io.nbytes_of(piece, export_dtype)
+        cast = 0 if export_dtype is None else nbytes_of(piece, export_dtype)
         offset = None if export_dtype is not None or not t.hf_names else ckpt.data_offset(rows)
         if offset is not None and copy_file_to_file(t, rows, shape, offset):
             return
@@ -209,7 +210,7 @@ def to_hf(
                     writer.write(name, part)
                     advance(part.nbytes)
             else:
-                at = rows.start * dcp_io.nbytes_of(shape[1:], value.dtype)
+                at = rows.start * nbytes_of(shape[1:], value.dtype)
                 writer.write(t.hf_names[0], value, offset=at)
                 advance(value.nbytes)
 
@@ -217,13 +218,13 @@ def to_hf(
         # The piece's bytes lie as they are in its DCP file: no load, no copy through memory.
         dtype = ckpt.tensors[t.name][1]
         if not t.stacked:
-            nbytes = dcp_io.nbytes_of((rows.stop - rows.start, *shape[1:]), dtype)
-            at = rows.start * dcp_io.nbytes_of(shape[1:], dtype)
+            nbytes = nbytes_of((rows.stop - rows.start, *shape[1:]), dtype)
+            at = rows.start * nbytes_of(shape[1:], dtype)
             if not writer.copy(t.hf_names[0], rows.file, offset, nbytes, at):
                 return False
             advance(nbytes)
             return True
-        expert = dcp_io.nbytes_of(shape[1:], dtype)
+        expert = nbytes_of(shape[1:], dtype)
         names = t.hf_names[rows.start : rows.stop]
         # Experts lie one after another in the shard as in the chunk: one copy per unbroken run.
         i = 0

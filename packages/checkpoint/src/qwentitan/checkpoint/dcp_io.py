@@ -44,10 +44,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from qwentitan.checkpoint.disk import Shape, copy_range, nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
 
 METADATA = ".metadata"
-Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +69,6 @@ Producer = Callable[[int, int, torch.Tensor], FileBytes | None]
 # Below this, a piece is written the ordinary way (a file-to-file copy saves nothing).
 _SPLICE_MIN = 1 << 20
 _STORAGE_RECORD = re.compile(r"(?:.*/)?data/\d+")  # a storage's record in a torch.save zip
-
-
-def nbytes_of(shape: Shape, dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
 
 
 def row_chunks(shape: Shape, dtype: torch.dtype, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -153,9 +146,9 @@ class _SplicingWriter:
     torch.save writes a tensor's storage in one `write` of its bytes. When that storage is a
     piece the planner knows the source regions of (`FileBytes`: a read-only map of one region,
     or a thread buffer filled from several), the kernel copies the regions file to file
-    instead: no page of a map is ever touched, and on the development
-    VM copying through user memory cost several times the system time of `cp` (3.4 GB: 2.4 s
-    from a file map, 11 s from anonymous memory, 1.4 s file to file).
+    instead: no page of a map is ever touched, and on the development VM copying through user
+    memory cost several times the system time of `cp` (3.4 GB: 2.4 s from a file map, 11 s from
+    anonymous memory, 1.4 s file to file).
     """
 
     def __init__(self, stream, source_of: Callable[[int, int], FileBytes | None]):
@@ -178,24 +171,11 @@ class _SplicingWriter:
         self._stream.flush()
         start = at = self._stream.tell()
         for path, offset, nbytes in source.parts:
-            done = 0
-            with open(path, "rb", buffering=0) as src:
-                while done < nbytes:
-                    try:
-                        got = os.copy_file_range(
-                            src.fileno(), self._stream.fileno(), nbytes - done, offset + done, at
-                        )
-                    except OSError:
-                        if at > start:
-                            raise
-                        return False  # no file-to-file copy between these file systems
-                    if not got:
-                        raise CheckpointError(
-                            f"{path} ended while copying from it; the file was truncated "
-                            "during conversion, re-download it."
-                        )
-                    done += got
-                    at += got
+            if not copy_range(path, self._stream.fileno(), offset, nbytes, at, "re-download it"):
+                if at > start:
+                    raise RuntimeError(f"copy_file_range stopped working midway at {path}")
+                return False  # no file-to-file copy between these file systems
+            at += nbytes
         self._stream.seek(at)
         return True
 
@@ -219,9 +199,10 @@ class _LazySavePlanner(DefaultSavePlanner):
     A piece lying whole in one source region is handed over as a read-only map of it (nothing
     read); any other is filled into one buffer of the writer thread's own, over and over: a
     fresh allocation per piece would cost the kernel a page fault and a zeroed page for every
-    4 KiB (several times the time of the write itself). FileSystemWriter keeps a reference to the piece it last wrote
-    until it resolves the next one; that piece is already on disk and never read again, so the
-    buffer is reused and the piece's bytes returned to the budget before the next is produced.
+    4 KiB (several times the time of the write itself). FileSystemWriter keeps a reference to
+    the piece it last wrote until it resolves the next one; that piece is already on disk and
+    never read again, so the buffer is reused and the piece's bytes returned to the budget
+    before the next is produced.
     """
 
     def __init__(

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from qwentitan.checkpoint.disk import copy_range, nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -176,17 +177,16 @@ class HFFolder:
         return out
 
 
-def read_into(stored: StoredTensor, out: torch.Tensor, offset: int = 0) -> None:
-    """Fill `out` with the stored tensor's bytes from `offset` on (all of them by default)."""
+def read_into(stored: StoredTensor, out: torch.Tensor) -> None:
+    """Fill `out` with the stored tensor's bytes."""
     if out.numel() == 0:
         return
     raw = byte_view(out)
-    assert offset + len(raw) <= stored.nbytes, stored.name
     with open(stored.file, "rb", buffering=0) as f:
-        f.seek(stored.start + offset)
+        f.seek(stored.start)
         view = raw
         done = 0
-        while done < len(raw):
+        while done < stored.nbytes:
             got = f.readinto(view[done:])
             if not got:
                 raise CheckpointError(
@@ -248,7 +248,7 @@ class ShardedWriter:
         groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
         size = 0
         for entry in tensors:
-            nbytes = _nbytes(entry[1], entry[2])
+            nbytes = nbytes_of(entry[2], entry[1])
             if groups[-1] and size + nbytes > max_shard_bytes:
                 groups.append([])
                 size = 0
@@ -264,7 +264,7 @@ class ShardedWriter:
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             offset = 0
             for tname, dtype, shape in group:
-                nbytes = _nbytes(dtype, shape)
+                nbytes = nbytes_of(shape, dtype)
                 header[tname] = {
                     "dtype": _DTYPE_NAMES[dtype],
                     "shape": list(shape),
@@ -279,7 +279,7 @@ class ShardedWriter:
             os.ftruncate(fd, 8 + len(raw) + offset)
             for tname, dtype, shape in group:
                 start = header[tname]["data_offsets"][0]
-                self.where[tname] = (fd, 8 + len(raw) + start, _nbytes(dtype, shape))
+                self.where[tname] = (fd, 8 + len(raw) + start, nbytes_of(shape, dtype))
                 weight_map[tname] = name
             total += offset
         if count > 1:
@@ -312,24 +312,7 @@ class ShardedWriter:
         False, having written nothing, where the file systems cannot."""
         fd, start, _ = self.where[name]
         assert start + at + nbytes <= os.fstat(fd).st_size, name
-        done = 0
-        with open(src, "rb", buffering=0) as f:
-            while done < nbytes:
-                try:
-                    got = os.copy_file_range(
-                        f.fileno(), fd, nbytes - done, offset + done, start + at + done
-                    )
-                except OSError:
-                    if done:
-                        raise
-                    return False
-                if not got:
-                    raise CheckpointError(
-                        f"{src} ended while copying from it; the file was truncated during "
-                        "conversion, re-save it."
-                    )
-                done += got
-        return True
+        return copy_range(src, fd, offset, nbytes, start + at, "re-save it")
 
     def close(self, sync: bool = True) -> None:
         for fd in self._fds:
@@ -337,10 +320,3 @@ class ShardedWriter:
                 os.fsync(fd)
             os.close(fd)
         self._fds = []
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
