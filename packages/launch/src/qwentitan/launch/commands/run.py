@@ -10,7 +10,6 @@ from qwentitan.launch.environment import merged_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import LaunchPlan
 from qwentitan.launch.plan_cli import add_plan_arguments, describe, plan_from_args
-from qwentitan.launch.preemption import supervise
 
 NAME = "run"
 HELP = (
@@ -58,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     from qwentitan.launch.platforms import PLATFORM_ENV
+    from qwentitan.launch.preemption import supervise
 
     check_host(plan)
     env = merged_env(plan)

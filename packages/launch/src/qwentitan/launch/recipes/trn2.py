@@ -26,10 +26,9 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
+from qwentitan.launch.recipes import TRN2_RECIPES
 from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.launch.trainer import Trainer
-
-TRN2_RECIPES = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
 
 __all__ = ["TRN2_RECIPES", "qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"]
 
