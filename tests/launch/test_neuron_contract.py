@@ -367,3 +367,26 @@ def test_the_real_torchneuron_still_has_the_faked_shapes():
     assert isinstance(stats["allocated_bytes"], dict) and "peak" in stats["allocated_bytes"]
     assert isinstance(real.get_fallback_ops(), (list, set, tuple))
     assert get_platform("neuron").memory_stats().peak_bytes >= 0
+
+
+# finding 2, launch side: the platform choice must not depend on PyTorch's backend autoload
+
+
+def test_an_installed_torchneuron_is_found_with_autoload_off(tmp_path, monkeypatch):
+    """With TORCH_DEVICE_BACKEND_AUTOLOAD=0 nothing imports torch_neuronx, so torch.neuron is
+    missing until someone does; the platform layer must, or a trn2 host trains on its CPU."""
+    from qwentitan.launch.platforms import PLATFORM_ENV, current_platform
+
+    package = tmp_path / "torch_neuronx"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import types\nimport torch\n"
+        "torch.neuron = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 64)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch, "neuron", None, raising=False)  # undone: torch.neuron removed
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # undone: the import forgotten
+    monkeypatch.delitem(sys.modules, "torch_neuronx")
+    monkeypatch.delenv(PLATFORM_ENV, raising=False)
+    platform = current_platform()
+    assert (platform.name, platform.max_ranks) == ("neuron", 64)

@@ -7,6 +7,8 @@ how many ranks fit, which sequence lengths work) instead of probing torch itself
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import types
 from dataclasses import dataclass, field
@@ -198,6 +200,24 @@ def _cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _torch_neuron() -> Any:
+    """`torch.neuron`, importing TorchNeuron first where it is installed; None without it.
+
+    TorchNeuron registers `torch.neuron` when `torch_neuronx` is imported, which PyTorch's
+    backend autoload does unless TORCH_DEVICE_BACKEND_AUTOLOAD=0 (TorchNeuron's own torchtitan
+    tutorial sets it: docs/torchtitan/qwen3/train-qwen3.md in its source, public mirror
+    parmoham-aws/test-repo-parmoham). Without this import a trn2 host would train on its CPU.
+    """
+    if getattr(torch, "neuron", None) is None:
+        try:
+            installed = importlib.util.find_spec("torch_neuronx") is not None
+        except ValueError:  # imported earlier and removed from sys.modules
+            installed = False
+        if installed:
+            importlib.import_module("torch_neuronx")
+    return getattr(torch, "neuron", None)
+
+
 def get_platform(name: str) -> Platform:
     """The platform called `name` (`cpu`, `cuda`, `neuron`), as this host would run it."""
     if name == "cpu":
@@ -226,7 +246,7 @@ def get_platform(name: str) -> Platform:
         from qwentitan.launch.neuron_runtime import NeuronDeviceModule
 
         lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
-        module = getattr(torch, "neuron", None)
+        module = _torch_neuron()
         return Platform(
             name="neuron",
             device_type="neuron",
@@ -250,7 +270,7 @@ def current_platform() -> Platform:
     forced = os.environ.get(PLATFORM_ENV)
     if forced:
         return get_platform(forced)
-    neuron = getattr(torch, "neuron", None)
+    neuron = _torch_neuron()
     if neuron is not None and neuron.is_available():
         return get_platform("neuron")
     if torch.cuda.is_available():
