@@ -10,7 +10,7 @@ Facts from TorchNeuron's Python source (public mirror `parmoham-aws/test-repo-pa
   of the NeuronCore (TorchNeuron may do that for ops it does not implement).
 - Per-core device-memory peak in sysfs, `/sys/devices/virtual/neuron_device/neuron<chip>/
   neuron_core<core>/stats/memory_usage/device_mem/peak` (the path TorchNeuron's own tests
-  read, `tests/distributed/collective_ops/test_all_gather.py`, 8 physical cores per chip).
+  read, `tests/distributed/collective_ops/test_all_gather.py`, numbering cores per chip).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any, Protocol
+
+from qwentitan.launch.topology import INSTANCES
 
 __all__ = [
     "NeuronDeviceModule",
@@ -30,7 +32,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SYSFS_ROOT = Path("/sys/devices/virtual/neuron_device")
-_PHYSICAL_CORES_PER_CHIP = 8  # Trainium2 (trn2.48xlarge)
+_PHYSICAL_CORES_PER_CHIP = INSTANCES["trn2.48xlarge"].physical_cores_per_chip
 
 
 def flat_memory_stats(nested: dict[str, Any]) -> dict[str, int]:

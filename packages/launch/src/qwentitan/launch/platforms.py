@@ -211,7 +211,7 @@ def _torch_neuron() -> Any:
     if getattr(torch, "neuron", None) is None:
         try:
             installed = importlib.util.find_spec("torch_neuronx") is not None
-        except ValueError:  # imported earlier and removed from sys.modules
+        except ValueError:  # sys.modules holds None for it: its import is blocked on purpose
             installed = False
         if installed:
             importlib.import_module("torch_neuronx")
