@@ -390,3 +390,16 @@ def test_an_installed_torchneuron_is_found_with_autoload_off(tmp_path, monkeypat
     monkeypatch.delenv(PLATFORM_ENV, raising=False)
     platform = current_platform()
     assert (platform.name, platform.max_ranks) == ("neuron", 64)
+
+
+def test_preflight_cli_adds_the_smoke_on_request_and_names_a_core_range(monkeypatch, capsys):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-63")
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    main(["preflight", "--recipe", "qwen3_4b_native", "--compile-smoke", "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["compile_smoke"]["status"] == "skip"  # this host is no trn2
+    assert checks["lnc"]["status"] == "fail"
+    assert "NEURON_RT_VISIBLE_CORES=0-63" in checks["lnc"]["detail"]
+    main(["preflight", "--recipe", "qwen3_4b_native", "--json"])
+    assert "compile_smoke" not in {c["name"] for c in json.loads(capsys.readouterr().out)["checks"]}
