@@ -1,4 +1,4 @@
-"""The three trn2.48xlarge recipes, one per implementation path (see shared/DESIGN.md).
+"""The three trn2.48xlarge recipes, one per implementation path (hf, native, moe-kernels).
 
 Each is a torchtitan config-registry function (`--module qwentitan.launch.recipes --config
 <name>`) returning a Trainer.Config sized for one trn2.48xlarge at LNC=2: 64 ranks, FSDP over
