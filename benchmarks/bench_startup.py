@@ -51,7 +51,9 @@ def main() -> None:
     for name, seconds in median.items():
         print(f"  {name:<36} {seconds:7.2f} s")
     help_ratio = median["qwentitan-launch --help"] / median["python -c 'import torch'"]
-    pyc_ratio = median["import torchtitan.train (no .pyc)"] / median["import torchtitan.train (.pyc)"]
+    pyc_ratio = (
+        median["import torchtitan.train (no .pyc)"] / median["import torchtitan.train (.pyc)"]
+    )
     print(f"qwentitan-launch --help / import torch: {help_ratio:.2f}x (goal: <= 1)")
     print(f"import torchtitan.train, from source / from .pyc: {pyc_ratio:.2f}x")
 
