@@ -12,6 +12,7 @@ import torch
 from qwentitan.checkpoint import dcp_io
 from qwentitan.checkpoint.convert import MEMORY_BUDGET, THREADS, check_hf_tensors
 from qwentitan.checkpoint.layout import NON_MODEL_PREFIXES, Qwen3Layout, TitanTensor, read_config
+from qwentitan.checkpoint.logits import RELATIVE_TOLERANCE
 from qwentitan.checkpoint.safetensors_io import HFFolder, read_into
 
 
@@ -94,7 +95,8 @@ class VerifyReport:
         if self.logits_max_abs_diff is not None:
             lines.append(
                 f"  logits max |diff| (HF vs torchtitan Qwen3): {self.logits_max_abs_diff:.3g} "
-                f"(tolerance {self.logits_tolerance:.3g})"
+                f"(tolerance {self.logits_tolerance:.3g}: {RELATIVE_TOLERANCE:g} of the largest "
+                "|logit|)"
             )
         lines.append("  result: " + ("identical" if self.ok else "DIFFERENT"))
         return "\n".join(lines)
