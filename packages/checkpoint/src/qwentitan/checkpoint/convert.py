@@ -309,7 +309,7 @@ class _CastLosses:
             raise CheckpointError(
                 f"--dtype {_dtype_name(self.dtype)} would turn finite values of {name!r} in "
                 f"{self.src} into inf (largest |value| {float(value.abs().max()):.4g}, "
-                f"{_dtype_name(self.dtype)} holds at most {torch.finfo(self.dtype).max:.4g}); "
+                f"{_dtype_name(self.dtype)} holds at most {torch.finfo(self.dtype).max:g}); "
                 "export as bfloat16 or float32, or pass --allow-overflow to accept it."
             )
         with self._lock:

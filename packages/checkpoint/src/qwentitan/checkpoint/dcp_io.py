@@ -378,6 +378,17 @@ def save(
     # Each file holds one chunk: when its stream closes, that chunk is on disk, so retire it
     # there and then (a thread that waits in join() must not keep holding the budget).
     writer.fs = _RetiringFileSystem(planner.finish_thread, planner.source_of)
+    # FileSystemWriter's extra threads end on an exception (a full disk, say), which Python
+    # would print as a traceback: keep it as the error to raise instead.
+    previous_hook = threading.excepthook
+
+    def keep_writer_error(args: threading.ExceptHookArgs) -> None:
+        if args.thread in planner.threads and args.exc_value is not None:
+            planner.error = planner.error or args.exc_value
+        else:
+            previous_hook(args)
+
+    threading.excepthook = keep_writer_error
     try:
         with _quiet_single_process():
             dcp.save(meta, storage_writer=writer, planner=planner, no_dist=True)
@@ -394,6 +405,7 @@ def save(
             raise planner.error from None
         raise
     finally:
+        threading.excepthook = previous_hook
         planner.finish_thread()
         torch.serialization.set_crc32_options(crc32)
     if planner.error is not None:

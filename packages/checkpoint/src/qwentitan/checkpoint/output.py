@@ -191,7 +191,7 @@ def _remove_stale_partials(dst: Path) -> None:
         warnings.warn(
             f"removed {len(stale)} partial output(s) that an interrupted earlier run to {dst} "
             f"left behind: {', '.join(stale)}",
-            stacklevel=3,
+            stacklevel=1,  # here, in the package: the CLI shows the package's warnings
         )
 
 
