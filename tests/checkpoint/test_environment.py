@@ -219,25 +219,29 @@ def test_disk_full_midway_is_one_sentence_and_cleaned_up(
 
 # --- signals -----------------------------------------------------------------------------
 
-# Runs the CLI with the first DCP piece a writer thread asks for stalled, so a signal lands
-# mid-write (the partial folder exists and holds some files).
+# Runs the CLI with the third piece a writer thread takes on stalled (a DCP piece for to-dcp,
+# a shard copy for to-hf), so a signal lands mid-write: the partial folder holds some files.
 _STALLED_CLI = textwrap.dedent(
     """
     import sys, threading, time
     from pathlib import Path
-    from qwentitan.checkpoint import dcp_io
+    from qwentitan.checkpoint import dcp_io, safetensors_io
     from qwentitan.checkpoint.cli import main
 
-    real, calls, lock = dcp_io._LazySavePlanner.resolve_data, [], threading.Lock()
-    def stalled(self, item):
-        with lock:
-            calls.append(item)
-            first = len(calls) == 3
-        if first:
-            Path(sys.argv[1]).touch()
-            time.sleep(float(sys.argv[2]))
-        return real(self, item)
-    dcp_io._LazySavePlanner.resolve_data = stalled
+    calls, lock = [], threading.Lock()
+    def stall(real):
+        def stalled(*args, **kwargs):
+            with lock:
+                calls.append(args)
+                first = len(calls) == 3
+            if first:
+                Path(sys.argv[1]).touch()
+                time.sleep(float(sys.argv[2]))
+            return real(*args, **kwargs)
+        return stalled
+    planner, writer = dcp_io._LazySavePlanner, safetensors_io.ShardedWriter
+    planner.resolve_data = stall(planner.resolve_data)
+    writer.copy, writer.write = stall(writer.copy), stall(writer.write)
     sys.exit(main(sys.argv[3:]))
     """
 )
@@ -260,11 +264,18 @@ def start_stalled(tmp_path: Path, stall: float, *argv) -> tuple[subprocess.Popen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_midway_removes_the_partial_output(make_hf, tmp_path, sig):
+@pytest.mark.parametrize(
+    ("verb", "sig"),
+    [("to-dcp", signal.SIGTERM), ("to-dcp", signal.SIGINT), ("to-hf", signal.SIGTERM)],
+    ids=["to-dcp-SIGTERM", "to-dcp-SIGINT", "to-hf-SIGTERM"],
+)
+def test_signal_midway_removes_the_partial_output(make_hf, tmp_path, verb, sig):
     src = make_hf(moe=True)
+    if verb == "to-hf":
+        to_dcp(src, tmp_path / "dcp")
+        src = tmp_path / "dcp"
     before = snapshot(src)
-    proc, _ = start_stalled(tmp_path, 2.0, "to-dcp", src, tmp_path / "out")
+    proc, _ = start_stalled(tmp_path, 2.0, verb, src, tmp_path / "out")
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
