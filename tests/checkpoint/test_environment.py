@@ -58,6 +58,14 @@ def tmpfs(where: Path, *options: str):
         subprocess.run(["umount", str(where)], check=True)
 
 
+def source_for(verb: str, hf: Path, tmp_path: Path) -> Path:
+    """What `verb` reads: the HF folder itself, or (to-hf) a DCP folder converted from it."""
+    if verb == "to-dcp":
+        return hf
+    to_dcp(hf, tmp_path / "dcp")
+    return tmp_path / "dcp"
+
+
 def big_hf(tmp_path: Path, helpers) -> Path:
     """A dense model of ~1.3 MB: more than a 1 MiB tmpfs holds."""
     vocab = 20_000
@@ -137,9 +145,7 @@ def test_overwrite_refuses_anything_else(make_hf, capsys, tmp_path, verb, setup,
 @pytest.mark.parametrize("verb", ["to-dcp", "to-hf"])
 def test_destination_whose_parent_is_a_file(make_hf, capsys, tmp_path, verb):
     src = make_hf()
-    if verb == "to-hf":
-        to_dcp(src, tmp_path / "dcp")
-        src = tmp_path / "dcp"
+    src = source_for(verb, src, tmp_path)
     (tmp_path / "afile").write_text("not a folder")
     code, err = run_cli(capsys, verb, src, tmp_path / "afile" / "sub" / "out")
     line = one_sentence(err)
@@ -150,9 +156,7 @@ def test_destination_whose_parent_is_a_file(make_hf, capsys, tmp_path, verb):
 @pytest.mark.parametrize("verb", ["to-dcp", "to-hf"])
 def test_read_only_destination(make_hf, capsys, tmp_path, verb):
     src = make_hf()
-    if verb == "to-hf":
-        to_dcp(src, tmp_path / "dcp")
-        src = tmp_path / "dcp"
+    src = source_for(verb, src, tmp_path)
     before = snapshot(src)
     with tmpfs(tmp_path / "ro", "ro", "size=1m") as ro:
         code, err = run_cli(capsys, verb, src, ro / "nested" / "out")
@@ -179,9 +183,7 @@ def test_not_enough_free_space_is_refused_before_writing(make_hf, capsys, tmp_pa
 @pytest.mark.parametrize("verb", ["to-dcp", "to-hf"])
 def test_disk_full_for_real(helpers, capsys, tmp_path, verb):
     src = big_hf(tmp_path, helpers)
-    if verb == "to-hf":
-        to_dcp(src, tmp_path / "dcp")
-        src = tmp_path / "dcp"
+    src = source_for(verb, src, tmp_path)
     before = snapshot(src)
     with tmpfs(tmp_path / "small", "size=1m") as small:
         code, err = run_cli(capsys, verb, src, small / "out")
@@ -197,9 +199,7 @@ def test_disk_full_midway_is_one_sentence_and_cleaned_up(
 ):
     """The free-space check passes (faked), then the real 1 MiB tmpfs fills up mid-write."""
     src = big_hf(tmp_path, helpers)
-    if verb == "to-hf":
-        to_dcp(src, tmp_path / "dcp")
-        src = tmp_path / "dcp"
+    src = source_for(verb, src, tmp_path)
     with tmpfs(tmp_path / "small", "size=1m") as small:
         real, calls = shutil.disk_usage, []
 
@@ -271,9 +271,7 @@ def start_stalled(tmp_path: Path, stall: float, *argv) -> tuple[subprocess.Popen
 )
 def test_signal_midway_removes_the_partial_output(make_hf, tmp_path, verb, sig):
     src = make_hf(moe=True)
-    if verb == "to-hf":
-        to_dcp(src, tmp_path / "dcp")
-        src = tmp_path / "dcp"
+    src = source_for(verb, src, tmp_path)
     before = snapshot(src)
     proc, _ = start_stalled(tmp_path, 2.0, verb, src, tmp_path / "out")
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
