@@ -43,7 +43,8 @@ _KIND_MARKS = {"dcp": (METADATA,), "hf": (SINGLE, INDEX)}
 
 def check_destination(src: Path, dst: Path, overwrite: bool, *, kind: str, needs: int) -> None:
     """Refuse, before anything is written, a destination that would clobber work or the
-    source, that cannot be written, or whose file system lacks the `needs` bytes."""
+    source, that cannot be written, or whose file system lacks the `needs` bytes; remove the
+    partial outputs that killed runs to `dst` left behind."""
     src_r, dst_r = src.resolve(), dst.resolve()
     if dst_r == src_r or src_r in dst_r.parents:
         raise CheckpointError(
@@ -70,6 +71,7 @@ def check_destination(src: Path, dst: Path, overwrite: bool, *, kind: str, needs
         )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CheckpointError(f"cannot write {dst}: {_unwritable(folder)}; {_WRITABLE_FIX}.")
+    _remove_stale_partials(dst)  # before counting free space: they may hold much of it
     free = shutil.disk_usage(folder).free
     if free < needs:
         raise CheckpointError(_no_space(dst, needs, free))
@@ -95,9 +97,10 @@ def _check_replaceable(dst: Path, kind: str) -> None:
     """--overwrite replaces a checkpoint of the same kind holding nothing but its own files."""
     what = _KIND_NAMES[kind]
     if dst.is_symlink() or not dst.is_dir():
+        link = "symbolic link" if dst.is_symlink() else "file"
         raise CheckpointError(
-            f"destination {dst} is a file, not a {what}; --overwrite replaces only a {what}, "
-            "remove the file yourself or choose another path."
+            f"destination {dst} is a {link}, not a {what}; --overwrite replaces only a {what}, "
+            f"remove the {link} yourself or choose another path."
         )
     entries = sorted(dst.iterdir())
     if not entries:
@@ -125,11 +128,10 @@ def staged_folder(dst: Path, needs: int) -> Iterator[Path]:
 
     An interrupted or failed run leaves nothing that looks like a complete checkpoint: its
     hidden `.{name}.partial-{pid}-*` folder is removed on the way out, on SIGINT and SIGTERM
-    too (both become a CheckpointError), and one that a killed run left behind is removed by
-    the next run to the same destination. A full disk or an unwritable folder mid-write
+    too (both become a CheckpointError); one that a killed run left behind is removed by the
+    next run's `check_destination`. A full disk or an unwritable folder mid-write
     becomes one CheckpointError naming the path and the cause.
     """
-    _remove_stale_partials(dst)
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.parent / f"{_partial_prefix(dst)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -244,7 +246,8 @@ def _environment_error(
     # torch.save's zip writer reports a full disk as "unexpected pos", not as ENOSPC: a disk
     # without room left for what remains to be written tells the two apart.
     try:
-        written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        # Blocks, not sizes: to-hf lays its shards out at full (sparse) size up front.
+        written = sum(p.stat().st_blocks * 512 for p in tmp.rglob("*") if p.is_file())
         free = shutil.disk_usage(dst.parent).free
     except OSError:
         written, free = 0, None
