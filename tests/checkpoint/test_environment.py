@@ -279,7 +279,9 @@ def test_signal_midway_removes_the_partial_output(make_hf, tmp_path, verb, sig):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err
     line = one_sentence(err)
-    assert f"interrupted by {sig.name}" in line and str(tmp_path / "out") in line
+    assert (
+        f"interrupted by {sig.name}: removed the partial output, {tmp_path / 'out'} was not" in line
+    )
     assert not (tmp_path / "out").exists() and leftovers(tmp_path, "out") == []
     assert snapshot(src) == before
 
@@ -305,3 +307,15 @@ def test_partial_output_of_a_killed_run_is_removed_by_the_next(make_hf, capsys, 
     )
     assert left in err
     assert leftovers(tmp_path, "out") == [alive.name] and other.is_dir()
+
+
+@pytest.mark.slow
+def test_sigterm_during_overwrite_keeps_the_old_checkpoint(make_hf, tmp_path):
+    src = make_hf()
+    to_dcp(src, tmp_path / "out")
+    before = snapshot(tmp_path / "out")
+    proc, _ = start_stalled(tmp_path, 2.0, "to-dcp", src, tmp_path / "out", "--overwrite")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and f"{tmp_path / 'out'} is unchanged" in one_sentence(err)
+    assert snapshot(tmp_path / "out") == before and leftovers(tmp_path, "out") == []

@@ -235,8 +235,9 @@ def _environment_error(
     """The one sentence for a failure the user's environment caused, else None."""
     if received or isinstance(e, KeyboardInterrupt):
         name = received[0] if received else "SIGINT"
+        state = "is unchanged" if dst.exists() else "was not created"
         return CheckpointError(
-            f"interrupted by {name}: removed the partial output, {dst} is unchanged; run the "
+            f"interrupted by {name}: removed the partial output, {dst} {state}; run the "
             "command again."
         )
     if isinstance(e, CheckpointError):
