@@ -153,18 +153,6 @@ def test_destination_inside_source(make_hf, capsys, tmp_path):
     assert not (tmp_path / "dcp" / "hf").exists()
 
 
-def test_existing_destination_needs_overwrite(make_hf, capsys, tmp_path):
-    src = make_hf()
-    dst = tmp_path / "dcp"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("mine")
-    code, err = run_cli(capsys, "to-dcp", src, dst)
-    assert code == 2 and "--overwrite" in err
-    assert (dst / "keep.txt").read_text() == "mine"
-    code, _ = run_cli(capsys, "to-dcp", src, dst, "--overwrite")
-    assert code == 0 and (dst / ".metadata").is_file() and not (dst / "keep.txt").exists()
-
-
 def test_bad_dtype_and_shard_size_are_user_errors(make_hf, tmp_path):
     src = make_hf()
     to_dcp(src, tmp_path / "dcp")
@@ -199,3 +187,139 @@ def test_failure_midway_leaves_no_output_and_source_untouched(make_hf, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     shutil.rmtree(src)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_integer_weight_is_refused(make_hf, capsys, tmp_path, dtype):
+    src = make_hf(shards=1)
+    _rewrite(src, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(dtype)))
+    name = str(dtype).removeprefix("torch.")
+    err = assert_refused(
+        capsys, tmp_path, ["to-dcp", src, tmp_path / "out"], "'model.norm.weight'", name
+    )
+    assert "floating point" in err
+    code, err = run_cli(capsys, "verify", src, tmp_path / "dcp")
+    assert code == 2 and "'model.norm.weight'" in err and "Traceback" not in err
+
+
+def test_integer_weight_in_a_dcp_is_refused(make_hf, capsys, tmp_path):
+    src = make_hf()
+    to_dcp(src, tmp_path / "dcp")
+    _save_dcp(tmp_path / "dcp", {"norm.weight": torch.ones(16, dtype=torch.int32)})
+    assert_refused(
+        capsys,
+        tmp_path,
+        ["to-hf", tmp_path / "dcp", tmp_path / "out"],
+        "'norm.weight'",
+        "int32",
+        "floating point",
+    )
+
+
+def _save_dcp(folder, changes: dict) -> None:
+    """Re-save a DCP folder with some tensors replaced, through DCP itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(folder).read_metadata()
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+    }
+    dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
+    side = {p.name: p.read_bytes() for p in folder.glob("*.json")}
+    shutil.rmtree(folder)
+    dcp.save(state | changes, checkpoint_id=folder, no_dist=True)
+    for name, data in side.items():
+        (folder / name).write_bytes(data)
+
+
+def test_tied_config_over_a_trained_head_is_refused(make_hf, capsys, tmp_path):
+    untied = make_hf("untied", tied=False)
+    to_dcp(untied, tmp_path / "dcp")
+    tied_config = json.loads((untied / "config.json").read_text()) | {"tie_word_embeddings": True}
+    (tmp_path / "tied.json").write_text(json.dumps(tied_config))
+    before = sorted(p.read_bytes() for p in (tmp_path / "dcp").iterdir())
+    err = assert_refused(
+        capsys,
+        tmp_path,
+        ["to-hf", tmp_path / "dcp", tmp_path / "out", "--config", tmp_path / "tied.json"],
+        "tie_word_embeddings=true",
+        "lm_head.weight",
+        str(tmp_path / "dcp"),
+        "tie_word_embeddings=false",
+    )
+    assert "differs from tok_embeddings.weight" in err
+    assert sorted(p.read_bytes() for p in (tmp_path / "dcp").iterdir()) == before
+
+
+def test_tied_config_with_an_equal_head_exports(make_hf, helpers, capsys, tmp_path):
+    """A training job saves the tied head as its own copy of the embedding: not a loss."""
+    tied = make_hf("tied", tied=True)
+    to_dcp(tied, tmp_path / "dcp")
+    embedding = helpers.load_dcp(tmp_path / "dcp")["tok_embeddings.weight"]
+    _save_dcp(tmp_path / "dcp", {"lm_head.weight": embedding.clone()})
+    code, err = run_cli(capsys, "to-hf", tmp_path / "dcp", tmp_path / "out", "--config", tied)
+    assert code == 0, err
+    assert "lm_head.weight" not in helpers.load_hf(tmp_path / "out")
+
+
+def _dcp_with_norm(make_hf, tmp_path, values: torch.Tensor):
+    src = make_hf(dtype=torch.float32)
+    to_dcp(src, tmp_path / "dcp")
+    _save_dcp(tmp_path / "dcp", {"norm.weight": values})
+    return tmp_path / "dcp"
+
+
+def test_float16_overflow_is_refused_unless_allowed(make_hf, helpers, capsys, tmp_path):
+    values = torch.ones(16)
+    values[:3] = torch.tensor([1e5, -7e4, 3e38])
+    dcp = _dcp_with_norm(make_hf, tmp_path, values)
+    err = assert_refused(
+        capsys,
+        tmp_path,
+        ["to-hf", dcp, tmp_path / "out", "--dtype", "float16"],
+        "'norm.weight'",
+        "inf",
+        "--allow-overflow",
+    )
+    assert "65504" in err and "3e+38" in err
+    code, err = run_cli(
+        capsys, "to-hf", dcp, tmp_path / "out", "--dtype", "float16", "--allow-overflow"
+    )
+    assert code == 0, err
+    assert "note: --dtype float16 turned 3 finite values into inf" in err
+    assert torch.isinf(helpers.load_hf(tmp_path / "out")["model.norm.weight"]).sum() == 3
+
+
+def test_float16_underflow_is_counted(make_hf, helpers, capsys, tmp_path):
+    values = torch.ones(16)
+    values[:4] = torch.tensor([1e-9, -1e-10, 0.0, 1e-6])  # two below float16's subnormals
+    dcp = _dcp_with_norm(make_hf, tmp_path, values)
+    code, err = run_cli(capsys, "to-hf", dcp, tmp_path / "out", "--dtype", "float16")
+    assert code == 0, err
+    assert "note: --dtype float16 turned 2 non-zero values into 0" in err
+    assert "2 in 'norm.weight'" in err
+    out = helpers.load_hf(tmp_path / "out")["model.norm.weight"]
+    assert (out == 0).sum() == 3 and out.dtype == torch.float16
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "corrupt"])
+def test_verify_damaged_dcp_is_exit_2_naming_the_file(make_hf, capsys, tmp_path, damage):
+    src = make_hf()
+    to_dcp(src, tmp_path / "dcp")
+    file = tmp_path / "dcp" / "__0_3.distcp"
+    if damage == "missing":
+        file.unlink()
+    elif damage == "truncated":
+        file.write_bytes(file.read_bytes()[:100])
+    else:  # the zip directory at its end overwritten: same size, unreadable
+        data = bytearray(file.read_bytes())
+        data[-22:] = b"x" * 22
+        file.write_bytes(bytes(data))
+    code, err = run_cli(capsys, "verify", src, tmp_path / "dcp")
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert str(file) in lines[0] and damage in lines[0]
+    code, err = run_cli(capsys, "to-hf", tmp_path / "dcp", tmp_path / "out")
+    assert code == 2 and str(file) in err and not (tmp_path / "out").exists()

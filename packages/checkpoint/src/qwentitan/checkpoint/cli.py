@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="config.json, or its folder (default: SRC/config.json)")
     p.add_argument("--dtype", choices=list(DTYPES), help="export dtype (default: as stored)")
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB (default)")
+    p.add_argument(
+        "--allow-overflow",
+        action="store_true",
+        help="let --dtype turn values beyond its range into inf (refused by default)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
 
     p = sub.add_parser("verify", help="compare a Hugging Face folder with a DCP folder")
@@ -48,32 +53,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            if args.command == "to-dcp":
-                out = to_dcp(args.src, args.dst, overwrite=args.overwrite)
-                print(f"wrote {out}")
-            elif args.command == "to-hf":
-                out = to_hf(
-                    args.src,
-                    args.dst,
-                    config=args.config,
-                    dtype=args.dtype,
-                    max_shard_size=args.max_shard_size,
-                    overwrite=args.overwrite,
-                )
-                print(f"wrote {out}")
-            else:
-                report = verify(args.hf_dir, args.dcp_dir, logits=args.logits)
-                print(report.format())
-                return 0 if report.ok else 1
-        for w in caught:
-            if w.filename.startswith(str(Path(__file__).parent)):
-                print(f"note: {w.message}", file=sys.stderr)
-    except CheckpointError as e:
-        print(f"qwentitan-ckpt: error: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            return _run(args)
+        except CheckpointError as e:
+            print(f"qwentitan-ckpt: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # before anything was written (staged_folder handles after)
+            print("qwentitan-ckpt: error: interrupted; nothing was written.", file=sys.stderr)
+            return 2
+        finally:
+            for w in caught:
+                if w.filename.startswith(str(Path(__file__).parent)):
+                    print(f"note: {w.message}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "to-dcp":
+        out = to_dcp(args.src, args.dst, overwrite=args.overwrite)
+    elif args.command == "to-hf":
+        out = to_hf(
+            args.src,
+            args.dst,
+            config=args.config,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            allow_overflow=args.allow_overflow,
+        )
+    else:
+        report = verify(args.hf_dir, args.dcp_dir, logits=args.logits)
+        print(report.format())
+        return 0 if report.ok else 1
+    print(f"wrote {out}")
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from qwentitan.checkpoint import dcp_io
-from qwentitan.checkpoint.disk import nbytes_of
+from qwentitan.checkpoint.disk import differing_elements, nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
 from qwentitan.checkpoint.layout import (
     DTYPES,
@@ -49,7 +50,6 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     config, config_file = read_config(src)
     layout = Qwen3Layout.from_config(config, config_file)
     check_hf_tensors(hf, layout, config_file)
-    check_destination(src, dst, overwrite)
 
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     producers = {}
@@ -74,18 +74,23 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         producers[t.name] = _producer(hf, t, specs[t.name][1])
 
     total = sum(nbytes_of(s, d) for s, d in specs.values())
-    largest_piece = max(
+    pieces = [
         nbytes_of((stop - start, *s[1:]), d)
         for s, d in specs.values()
         for start, stop in dcp_io.row_chunks(s, d, CHUNK_BYTES)
-    )
-    with staged_folder(dst) as tmp, byte_progress(f"to-dcp {src.name}", total) as advance:
+    ]
+    needs = _space_needed(total, len(pieces))
+    check_destination(src, dst, overwrite, kind="dcp", needs=needs)
+    with (
+        staged_folder(dst, needs) as tmp,
+        byte_progress(f"to-dcp {src.name}", total) as advance,
+    ):
         dcp_io.save(
             tmp,
             specs,
             producers,
             threads=THREADS,
-            budget=dcp_io.MemoryBudget(max(MEMORY_BUDGET, largest_piece)),
+            budget=dcp_io.MemoryBudget(max(MEMORY_BUDGET, *pieces)),
             on_written=advance,
             chunk_bytes=CHUNK_BYTES,
             aliases=aliases,
@@ -135,6 +140,11 @@ def check_hf_tensors(hf: HFFolder, layout: Qwen3Layout, config_file: Path) -> No
                 f"{config_file} implies {list(expected[name])}; pass the config.json that "
                 "belongs to these weights."
             )
+        if not stored.dtype.is_floating_point:
+            raise CheckpointError(
+                f"tensor {name!r} in {stored.file} is {_dtype_name(stored.dtype)}, but model "
+                "weights are floating point; re-export the checkpoint with floating-point weights."
+            )
     missing = [n for n in expected if n not in hf.tensors]
     if missing:
         raise CheckpointError(
@@ -153,13 +163,16 @@ def to_hf(
     dtype: str | torch.dtype | None = None,
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
+    allow_overflow: bool = False,
 ) -> Path:
     """Export a torchtitan Qwen3 DCP folder as a Hugging Face folder `from_pretrained` loads.
 
     `config` is the model's config.json (or its folder); by default the one `to_dcp` left in
-    the DCP folder. `dtype` casts every tensor (default: as stored). Experts are unstacked,
-    the tied lm_head and torchtitan-only buffers dropped; optimizer and other training state
-    in the DCP folder are ignored.
+    the DCP folder. `dtype` casts every tensor (default: as stored): a finite value the cast
+    would turn into inf is refused unless `allow_overflow`, and the values turned into inf or
+    rounded to 0 are counted in a warning. Experts are unstacked, the tied lm_head and
+    torchtitan-only buffers dropped (a tied config with a head that differs from the
+    embedding is refused); optimizer and other training state in the DCP folder are ignored.
     """
     src, dst = Path(src), Path(dst)
     ckpt = dcp_io.DCPFolder(src)
@@ -175,7 +188,8 @@ def to_hf(
     export_dtype = _dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     tensors = check_dcp_tensors(ckpt, layout, config_file)
-    check_destination(src, dst, overwrite)
+    if layout.tie_word_embeddings:
+        check_tied_head(ckpt, config_file)
 
     exported = [t for t in tensors if t.exported and t.hf_names]
     entries = []
@@ -184,8 +198,11 @@ def to_hf(
         per = t.shape[1:] if t.stacked else t.shape
         entries += [(name, out_dtype, per) for name in t.hf_names]
     total = sum(nbytes_of(s, d) for _, d, s in entries)
+    needs = _space_needed(total, len(entries))
+    check_destination(src, dst, overwrite, kind="hf", needs=needs)
     budget = dcp_io.MemoryBudget(MEMORY_BUDGET)
     dropped_bias: set[str] = set()
+    losses = _CastLosses(export_dtype, allow_overflow, src)
 
     def export(t: TitanTensor, rows: dcp_io.Rows) -> None:
         # One piece at a time: a row chunk of the DCP (a training job's dim-0 shard, or what
@@ -203,7 +220,7 @@ def to_hf(
                     dropped_bias.add(t.name)
                 return
             if export_dtype is not None:
-                value = value.to(export_dtype)
+                value = losses.cast(t.name, value)
             if t.stacked:
                 names = t.hf_names[rows.start : rows.stop]
                 for name, part in zip(names, value.unbind(0), strict=True):
@@ -241,25 +258,27 @@ def to_hf(
             i = j
         return True
 
-    with staged_folder(dst) as tmp, byte_progress(f"to-hf {src.name}", total) as advance:
+    with (
+        staged_folder(dst, needs) as tmp,
+        byte_progress(f"to-hf {src.name}", total) as advance,
+    ):
         writer = ShardedWriter(tmp, entries, shard_bytes)
+        pool = ThreadPoolExecutor(THREADS)
         try:
             bias = [t for t in tensors if not t.hf_names]
-            with ThreadPoolExecutor(THREADS) as pool:
-                futures = [
-                    pool.submit(export, t, rows)
-                    for t in exported + bias
-                    for rows in ckpt.rows(t.name)
-                ]
-                _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-                for f in pending:
-                    f.cancel()
-                for f in futures:
-                    if f.done() and not f.cancelled():
-                        f.result()
+            futures = [
+                pool.submit(export, t, rows) for t in exported + bias for rows in ckpt.rows(t.name)
+            ]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and not f.cancelled():
+                    f.result()
         finally:
+            # On a failure or a signal, what has not started is dropped, not run to the end.
+            pool.shutdown(wait=True, cancel_futures=True)
             writer.close(sync=False)  # staged_folder syncs the folder before the rename
         _write_side_files(tmp, cfg, Path(config), export_dtype)
+    losses.warn()
     if dropped_bias:
         warnings.warn(
             f"{len(dropped_bias)} MoE layers of {src} have a non-zero expert_bias_E (torchtitan's "
@@ -268,6 +287,78 @@ def to_hf(
             stacklevel=2,
         )
     return dst
+
+
+class _CastLosses:
+    """What an export dtype does to values out of its range, counted over a whole export:
+    finite values that become inf (refused unless allowed) and non-zero ones that become 0."""
+
+    def __init__(self, dtype: torch.dtype | None, allow_overflow: bool, src: Path):
+        self.dtype, self.allow_overflow, self.src = dtype, allow_overflow, src
+        self.overflowed: dict[str, int] = {}
+        self.underflowed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def cast(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        out = value.to(self.dtype)
+        if out.dtype == value.dtype:
+            return out
+        overflowed = int((torch.isfinite(value) & torch.isinf(out)).sum())
+        underflowed = int(((value != 0) & (out == 0)).sum())
+        if overflowed and not self.allow_overflow:
+            raise CheckpointError(
+                f"--dtype {_dtype_name(self.dtype)} would turn finite values of {name!r} in "
+                f"{self.src} into inf (largest |value| {float(value.abs().max()):.4g}, "
+                f"{_dtype_name(self.dtype)} holds at most {torch.finfo(self.dtype).max:g}); "
+                "export as bfloat16 or float32, or pass --allow-overflow to accept it."
+            )
+        with self._lock:
+            for counts, n in ((self.overflowed, overflowed), (self.underflowed, underflowed)):
+                if n:
+                    counts[name] = counts.get(name, 0) + n
+        return out
+
+    def warn(self) -> None:
+        dtype = _dtype_name(self.dtype) if self.dtype else ""
+        for counts, what in (
+            (self.overflowed, "finite values into inf (--allow-overflow)"),
+            (self.underflowed, "non-zero values into 0 (below its smallest subnormal)"),
+        ):
+            if counts:
+                first = min(counts)
+                warnings.warn(
+                    f"--dtype {dtype} turned {sum(counts.values())} {what} in "
+                    f"{len(counts)} tensor(s), e.g. {counts[first]} in {first!r}",
+                    stacklevel=3,
+                )
+
+
+def check_tied_head(ckpt: dcp_io.DCPFolder, config_file: Path) -> None:
+    """A tied config exports no lm_head: refuse a DCP whose head is not the embedding."""
+    head, embedding = "lm_head.weight", "tok_embeddings.weight"
+    if ckpt.storage.get(head) == ckpt.storage.get(embedding):
+        return  # one stored tensor under both names, as to_dcp writes a tied head
+    differing = 0
+    for rows in ckpt.rows(head):
+        part = ckpt.load_rows(rows)
+        differing += differing_elements(part, ckpt.load_range(embedding, rows.start, rows.stop))
+    if differing:
+        numel = ckpt.tensors[head][0][0] * ckpt.tensors[head][0][1]
+        raise CheckpointError(
+            f"{config_file} sets tie_word_embeddings=true but {ckpt.path} holds an lm_head.weight "
+            f"that differs from tok_embeddings.weight ({differing} of {numel} elements), which "
+            "the export would drop; pass --config with a config.json that sets "
+            "tie_word_embeddings=false."
+        )
+
+
+def _space_needed(total: int, files: int) -> int:
+    """Bytes a conversion writes: the tensors, plus headers per file or tensor and side files."""
+    return total + 4096 * files + (64 << 10)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -292,11 +383,16 @@ def check_dcp_tensors(
                 f"{ckpt.path} lacks tensor {t.name!r} that {config_file} requires; pass the "
                 "config.json of the model this checkpoint was trained from."
             )
-        shape = ckpt.tensors[t.name][0]
+        shape, dtype = ckpt.tensors[t.name]
         if shape != t.shape:
             raise CheckpointError(
                 f"tensor {t.name!r} in {ckpt.path} has shape {list(shape)} but {config_file} "
                 f"implies {list(t.shape)}; pass the config.json that belongs to this checkpoint."
+            )
+        if not dtype.is_floating_point:
+            raise CheckpointError(
+                f"tensor {t.name!r} in {ckpt.path} is {_dtype_name(dtype)}, but model weights "
+                "are floating point; re-save the checkpoint with floating-point weights."
             )
     unknown = sorted(model_keys - {t.name for t in tensors})
     if unknown:
@@ -312,7 +408,7 @@ def _write_side_files(
 ) -> None:
     config = dict(config)
     if dtype is not None:
-        name = str(dtype).removeprefix("torch.")
+        name = _dtype_name(dtype)
         config["dtype"] = name
         if "torch_dtype" in config:
             config["torch_dtype"] = name

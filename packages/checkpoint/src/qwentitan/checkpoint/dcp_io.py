@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
@@ -377,20 +378,34 @@ def save(
     # Each file holds one chunk: when its stream closes, that chunk is on disk, so retire it
     # there and then (a thread that waits in join() must not keep holding the budget).
     writer.fs = _RetiringFileSystem(planner.finish_thread, planner.source_of)
+    # FileSystemWriter's extra threads end on an exception (a full disk, say), which Python
+    # would print as a traceback: keep it as the error to raise instead.
+    previous_hook = threading.excepthook
+
+    def keep_writer_error(args: threading.ExceptHookArgs) -> None:
+        if args.thread in planner.threads and args.exc_value is not None:
+            planner.error = planner.error or args.exc_value
+        else:
+            previous_hook(args)
+
+    threading.excepthook = keep_writer_error
     try:
         with _quiet_single_process():
             dcp.save(meta, storage_writer=writer, planner=planner, no_dist=True)
         if aliases:
             _add_aliases(folder, aliases)
-    except BaseException:  # DCP's CheckpointException derives from BaseException
-        # When the calling thread fails, DCP returns without joining its other writer
-        # threads; wait for them so nothing writes into the folder after it is removed.
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        # When the calling thread fails (or is interrupted by a signal), DCP returns without
+        # joining its other writer threads: stop them at their next piece and wait for them,
+        # so nothing writes into the folder after it is removed.
+        planner.error = planner.error or e
         for thread in planner.threads - {threading.current_thread()}:
             thread.join()
-        if planner.error is not None:
+        if planner.error is not e:
             raise planner.error from None
         raise
     finally:
+        threading.excepthook = previous_hook
         planner.finish_thread()
         torch.serialization.set_crc32_options(crc32)
     if planner.error is not None:
@@ -455,6 +470,28 @@ class DCPFolder:
             for fqn, md in metadata.state_dict_metadata.items()
             if isinstance(md, TensorStorageMetadata)
         }
+        # Every data file the metadata names must hold the bytes it points at: a missing or
+        # truncated .distcp is named here rather than failing deep inside dcp.load.
+        # fqn -> (data file, offset, length) of each stored piece
+        self.storage: dict[str, set[tuple[Path, int, int]]] = {}
+        sizes: dict[Path, int] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            file = self.path / info.relative_path
+            if file not in sizes:
+                try:
+                    sizes[file] = file.stat().st_size
+                except FileNotFoundError:
+                    raise CheckpointError(
+                        f"{file} is missing (named in {METADATA} for {index.fqn!r}); the "
+                        "checkpoint is incomplete, copy that file again or re-save it."
+                    ) from None
+            if sizes[file] < info.offset + info.length:
+                raise CheckpointError(
+                    f"{file} is truncated: it holds {sizes[file]} bytes but {METADATA} places "
+                    f"{index.fqn!r} up to byte {info.offset + info.length}; copy that file "
+                    "again or re-save the checkpoint."
+                )
+            self.storage.setdefault(index.fqn, set()).add((file, info.offset, info.length))
         # Tensors stored as full-width row chunks, each alone in its file (what `save` and an
         # FSDP job's one-file-per-tensor save write): loadable by mapping each chunk's file
         # instead of reading it into a buffer and copying that into the target.
@@ -526,13 +563,27 @@ class DCPFolder:
                     planner=DefaultLoadPlanner(allow_partial_load=True),
                     no_dist=True,
                 )
-        except Exception as e:
+        except (Exception, CheckpointException):  # DCP's own derives from BaseException
+            files = sorted({file for file, _, _ in self.storage.get(rows.fqn, ())})
+            where = ", ".join(str(f) for f in files[:3]) or str(self.path)
             raise CheckpointError(
-                f"{self.path} could not give tensor {rows.fqn!r} ({type(e).__name__}: {e}); a "
-                "data file of the checkpoint is missing or corrupt, re-save it."
+                f"{where} is corrupt: tensor {rows.fqn!r} cannot be read from it; copy the "
+                "file again or re-save the checkpoint."
             ) from None
         value = out[rows.fqn]
         return value if rows.file is None else value[rows.start : rows.stop]
+
+    def load_range(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of one tensor, from the pieces that hold them."""
+        shape, dtype = self.tensors[fqn]
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        for rows in self.rows(fqn):
+            lo, hi = max(rows.start, start), min(rows.stop, stop)
+            if lo < hi:
+                out[lo - start : hi - start] = self.load_rows(rows)[
+                    lo - rows.start : hi - rows.start
+                ]
+        return out
 
     def data_offset(self, rows: Rows) -> int | None:
         """Where the raw bytes of a piece alone in its file start, for file-to-file copies.

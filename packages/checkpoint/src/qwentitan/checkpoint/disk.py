@@ -19,6 +19,15 @@ def nbytes_of(shape: Shape, dtype: torch.dtype) -> int:
     return n
 
 
+def differing_elements(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of two same-shape tensors differ in their bytes (any bit)."""
+    if a.dtype != b.dtype:
+        return a.numel()
+    x = a.contiguous().reshape(-1).view(torch.uint8).reshape(a.numel(), -1)
+    y = b.contiguous().reshape(-1).view(torch.uint8).reshape(b.numel(), -1)
+    return 0 if torch.equal(x, y) else int((x != y).any(dim=1).sum())
+
+
 def copy_range(src: Path, dst_fd: int, offset: int, nbytes: int, at: int, fix: str) -> bool:
     """Copy `nbytes` from byte `offset` of file `src` to byte `at` of `dst_fd`, in the kernel
     (copy_file_range); False, having written nothing, where the two file systems cannot.
@@ -43,3 +52,11 @@ def copy_range(src: Path, dst_fd: int, offset: int, nbytes: int, at: int, fix: s
                 )
             done += got
     return True
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes for a message, in decimal units like `df -H`: '3.4 GB', '5 MB', '512 B'."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"

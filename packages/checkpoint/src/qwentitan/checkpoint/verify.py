@@ -11,7 +11,9 @@ import torch
 
 from qwentitan.checkpoint import dcp_io
 from qwentitan.checkpoint.convert import MEMORY_BUDGET, THREADS, check_hf_tensors
+from qwentitan.checkpoint.disk import differing_elements
 from qwentitan.checkpoint.layout import NON_MODEL_PREFIXES, Qwen3Layout, TitanTensor, read_config
+from qwentitan.checkpoint.logits import RELATIVE_TOLERANCE
 from qwentitan.checkpoint.safetensors_io import HFFolder, read_into
 
 
@@ -94,7 +96,8 @@ class VerifyReport:
         if self.logits_max_abs_diff is not None:
             lines.append(
                 f"  logits max |diff| (HF vs torchtitan Qwen3): {self.logits_max_abs_diff:.3g} "
-                f"(tolerance {self.logits_tolerance:.3g})"
+                f"(tolerance {self.logits_tolerance:.3g}: {RELATIVE_TOLERANCE:g} of the largest "
+                "|logit|)"
             )
         lines.append("  result: " + ("identical" if self.ok else "DIFFERENT"))
         return "\n".join(lines)
@@ -174,11 +177,9 @@ def verify(
 
 
 def _difference(name: str, want: torch.Tensor, got: torch.Tensor) -> ValueDifference | None:
-    a = want.reshape(-1).view(torch.uint8).reshape(want.numel(), -1)
-    b = got.reshape(-1).view(torch.uint8).reshape(got.numel(), -1)
-    if torch.equal(a, b):
+    differing = differing_elements(want, got)
+    if not differing:
         return None
-    differing = int((a != b).any(dim=1).sum())
     diff = (want.double() - got.double()).abs()
     return ValueDifference(
         name, differing, want.numel(), float(diff.nan_to_num(float("inf")).max())
