@@ -162,7 +162,9 @@ def causal_attention_nki(q, k, v, scale):
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     lnc = nki_loader.logical_core_count()
-    out, neg_max, sum_recip = nki_loader.load_kernel("attention_cte")[lnc](
+    out, neg_max, sum_recip = nki_loader.launch(
+        "attention_cte",
+        lnc,
         q=q.transpose(1, 2).reshape(batch * heads, seq, head_dim),  # tp_q=True: (BH, S, d)
         k=k.permute(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, seq),  # tp_k=False: (BH, d, S)
         v=v.transpose(1, 2).reshape(batch * kv_heads, seq, head_dim),
@@ -192,7 +194,9 @@ def causal_attention_backward_nki(grad_out, q, k, v, out, lse, scale):
         return x.permute(0, 2, 3, 1).contiguous()
 
     lse_tiles = lse.to(torch.float32).reshape(batch, heads, seq // 128, 128).transpose(-1, -2)
-    dq, dk, dv = nki_loader.load_kernel("attention_bwd")[lnc](
+    dq, dk, dv = nki_loader.launch(
+        "attention_bwd",
+        lnc,
         q_ref=d_major(q),
         k_ref=d_major(k),
         v_ref=d_major(v),

@@ -262,7 +262,9 @@ def grouped_experts_nki(
     padded, flat_aff, ids, experts = _nki_inputs(
         hidden, affinities, token_position_to_id, block_to_expert
     )
-    out, gate_up_act, down_act = nki_loader.load_kernel("moe_blockwise_fwd")[lnc](
+    out, gate_up_act, down_act = nki_loader.launch(
+        "moe_blockwise_fwd",
+        lnc,
         hidden_states=padded,
         expert_affinities_masked=flat_aff,
         gate_up_proj_weight=gate_up.contiguous(),
@@ -294,7 +296,9 @@ def grouped_experts_backward_nki(
     )
     tokens = hidden.shape[0]
     grad_padded = torch.cat([grad_out, grad_out.new_zeros(1, grad_out.shape[1])])
-    grads = nki_loader.load_kernel("moe_blockwise_bwd")[lnc](
+    grads = nki_loader.launch(
+        "moe_blockwise_bwd",
+        lnc,
         hidden_states=padded,
         expert_affinities_masked=flat_aff,
         gate_up_proj_weight=gate_up.contiguous(),

@@ -95,8 +95,9 @@ def rope_nki(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, b
     k_bhsd = key.transpose(1, 2).contiguous()
     q_out = torch.empty_like(q_bhsd)
     k_out = torch.empty_like(k_bhsd)
-    kernel = nki_loader.load_kernel("rope_hf")
-    q_out, k_out = kernel[lnc](
+    q_out, k_out = nki_loader.launch(
+        "rope_hf",
+        lnc,
         q=q_bhsd,
         k=k_bhsd,
         q_out=q_out,
