@@ -18,7 +18,7 @@ from torchtitan.models.qwen3 import (
     _qwen3_norm,
 )
 
-from qwentitan.kernels import KernelError, ReplacementRule
+from qwentitan.kernels import KernelChoices, KernelError, ReplacementRule
 from qwentitan.modeling.kernel_path import (
     KernelCausalAttention,
     KernelGroupedExperts,
@@ -84,8 +84,11 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def _kernel_config(block_size=8):
-    return apply_kernel_replacements(tiny_qwen3_moe(), default_rules(block_size=block_size))
+ALL_NKI = KernelChoices(rope="nki", attention="nki", experts="nki")
+
+
+def _kernel_config(block_size=8, choices=ALL_NKI):
+    return apply_kernel_replacements(tiny_qwen3_moe(), default_rules(block_size, choices))
 
 
 def test_every_layer_gets_all_three_kernels_and_the_log_says_so(caplog):
@@ -100,8 +103,37 @@ def test_every_layer_gets_all_three_kernels_and_the_log_says_so(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert "nki_rope  layers.1.attention.rope" in lines
     assert "nki_attention  layers.0.attention.inner_attention" in lines
-    assert "nki_grouped_experts  layers.1.moe.routed_experts.inner_experts" in lines
+    assert "nki_experts  layers.1.moe.routed_experts.inner_experts" in lines
     assert len(lines) == 3 * LAYERS
+
+
+def test_by_default_attention_stays_torchtitans_and_rope_and_experts_use_nki(caplog, monkeypatch):
+    monkeypatch.delenv("QWENTITAN_KERNELS", raising=False)
+    with caplog.at_level(logging.INFO, logger="qwentitan.kernels"):
+        config = apply_kernel_replacements(tiny_qwen3_moe())
+    layer = config.layers[0]
+    assert type(layer.attention.inner_attention) is type(
+        tiny_qwen3_moe().layers[0].attention.inner_attention
+    )
+    assert layer.attention.rope.use_nki and layer.moe.routed_experts.inner_experts.use_nki
+    assert len(caplog.records) == 2 * LAYERS
+
+
+def test_a_kernel_switched_to_reference_is_replaced_without_nki_and_logged_per_module(
+    caplog, monkeypatch
+):
+    monkeypatch.setenv("QWENTITAN_KERNELS", "experts=reference")
+    with caplog.at_level(logging.INFO, logger="qwentitan.kernels"):
+        config = apply_kernel_replacements(tiny_qwen3_moe())
+    for layer in config.layers:
+        experts = layer.moe.routed_experts.inner_experts
+        assert isinstance(experts, KernelGroupedExperts.Config) and not experts.use_nki
+        assert layer.attention.rope.use_nki
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line for line in lines if line.startswith("reference_")] == [
+        f"reference_experts  layers.{i}.moe.routed_experts.inner_experts" for i in range(LAYERS)
+    ]
+    assert config.layers[0].moe.routed_experts.inner_experts.build().use_nki is False
 
 
 def test_a_dense_model_config_is_refused_for_the_experts_rule():
