@@ -72,6 +72,15 @@ def test_the_fake_wrap_nki_takes_a_grid_sequence_and_only_hashable_constants(neu
         caller[(2,)](*_experts_case()[:4], torch.zeros(1), torch.zeros(1, 1), 256, spec)
 
 
+def test_the_fake_takes_the_lnc_from_the_callers_grid_only(neuron):
+    q = torch.zeros(1, 2, 256, 8)
+    kwargs = dict(q=q, k=q, q_out=q, k_out=q, rope_cache=torch.zeros(256, 16))
+    with pytest.raises(fake_nki.NKIError, match="LNC 1 != NEURON_LOGICAL_NC_CONFIG"):
+        fake_torch_neuronx.wrap_nki(neuron["rope_hf"])(**kwargs)  # empty grid: LNC 1
+    with pytest.raises(AttributeError):
+        fake_torch_neuronx.wrap_nki(neuron["rope_hf"][2])  # the LNC belongs on the caller
+
+
 def test_the_fake_refuses_a_jit_kernel_called_inside_another_trace(neuron):
     outer = fake_nki.jit(lambda x: neuron["moe_cte"](x))
     with pytest.raises(fake_nki.NKIError, match=r"nested nki\.jit"):

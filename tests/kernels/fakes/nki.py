@@ -8,6 +8,9 @@ What it stands for (public sources, read for these rules):
 - `@nki.jit(mode="trace")` marks a sub-kernel meant to run inside another kernel's trace
   (nki-library `src/nkilib_src/nkilib/core/moe/moe_cte/moe_cte.py`), so a launcher calls its
   `.func`, never the jit object itself: a second jit inside a trace is refused here;
+- the launch grid's first entry is the LNC and must equal `NEURON_LOGICAL_NC_CONFIG`, else the
+  runtime fails (nki.jit API page of the Neuron docs, `nki/api/generated/nki.jit`); an empty
+  grid means LNC=1;
 - a raw call of a kernel with torch tensors belongs to the XLA integration; on TorchNeuron's
   `neuron` device the documented route is `torch_neuronx.wrap_nki(kernel)[grid](...)`, so a
   direct call with torch tensors is refused here.
@@ -16,6 +19,7 @@ What it stands for (public sources, read for these rules):
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +84,9 @@ def run_traced(kernel: JitKernel, grid: tuple[int, ...], arguments: dict[str, An
     """Trace and run `kernel` once on `grid` (what TorchNeuron's HOP ends up doing)."""
     if _tracing() is not None:
         raise NKIError(f"nested nki.jit: {kernel.__name__} launched inside another trace")
+    lnc = grid[0] if grid else 1
+    if lnc != int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1")):
+        raise NKIError(f"{kernel.__name__} launched with LNC {lnc} != NEURON_LOGICAL_NC_CONFIG")
     kernel.calls.append(arguments)
     _state.grid = grid
     try:
