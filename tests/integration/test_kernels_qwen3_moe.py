@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.qwen3 import (
@@ -199,3 +200,30 @@ def test_replaced_model_compiles_fullgraph_and_agrees_with_eager():
     loss.backward()
     assert loss.item() == pytest.approx(eager.item(), rel=1e-5)
     assert model.layers["0"].moe.routed_experts.inner_experts.w1_EFD.grad is not None
+
+
+class _SwitchLog(TorchDispatchMode):
+    """Records (op, use_nki) of every qwentitan op call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "qwentitan":
+            # The dispatcher drops a trailing argument equal to its default (use_nki=True).
+            given = len(args) == len(func._schema.arguments)
+            self.calls.add((func.__name__.split(".")[0], args[-1] if given else True))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("choice", ["nki", "reference"])
+def test_every_kernel_module_hands_its_switch_to_the_ops_forward_and_backward(choice):
+    choices = KernelChoices(rope=choice, attention=choice, experts=choice)
+    model = _build(_kernel_config(choices=choices))
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    with _SwitchLog() as log:
+        _loss(model, tokens).backward()
+    ops = ("rope", "causal_attention", "grouped_experts")
+    want = {(op + suffix, choice == "nki") for op in ops for suffix in ("", "_backward")}
+    assert log.calls == want
