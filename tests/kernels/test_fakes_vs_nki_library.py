@@ -1,11 +1,11 @@
 """The fake kernels against nki-library's own torch references, given a checkout of the library.
 
 Set QWENTITAN_NKI_LIBRARY_CHECKOUT to a clone of aws-neuron/nki-library (branch 2.29 or main;
-2.28 lacks the rope and moe_cte references) to run these; without it they are skipped. They load the library's reference functions
-(`rope_hf_torch_ref`, `attention_cte_torch_ref`, `attention_bwd_torch_ref`,
-`moe_cte_torch_ref`, `blockwise_mm_bwd_torch_ref`) with a stand-in for the `nki` package, which
-the references import but do not use, and compare them with the fakes of fakes/nkilib.py on
-the same inputs: a fake that drifts from the library fails here.
+2.28 lacks the rope and moe_cte references) to run these; without it they are skipped. They
+load the library's reference functions (`rope_hf_torch_ref`, `attention_cte_torch_ref`,
+`attention_bwd_torch_ref`, `moe_cte_torch_ref`, `blockwise_mm_bwd_torch_ref`) with a stand-in
+for the `nki` package, which the references import but do not use, and compare them with the
+fakes of fakes/nkilib.py on the same inputs: a fake that drifts from the library fails here.
 """
 
 from __future__ import annotations
