@@ -27,7 +27,9 @@ from qwentitan.kernels.errors import KernelError
 
 # The oldest nki-library with every kernel below: rope_hf, attention_bwd, moe_cte (MoECTESpec)
 # and experimental/moe/bwd/blockwise_mm_bwd first appear on aws-neuron/nki-library's release
-# branch 2.28 (branch 2.27 has attention_cte only). Bundled in neuronx-cc of Neuron SDK 2.28.
+# branch 2.28 (branch 2.27 has attention_cte only). The library's branches follow the Neuron
+# compiler releases and neuronx-cc bundles its own nkilib (nki-library README.md), so this is
+# also the Neuron SDK 2.28 bundle.
 MIN_NKI_LIBRARY = "2.28"
 
 # Kernel name -> (module, attribute) in aws-neuron/nki-library, src/nkilib_src/<module as path>.py.
@@ -55,8 +57,8 @@ def logical_core_count() -> int:
     raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")
     if raw not in ("1", "2"):
         raise KernelError(
-            f"NEURON_LOGICAL_NC_CONFIG is {raw!r}; set it to 1 or 2 (the launch grid of every "
-            "NKI kernel must equal it)."
+            f"NEURON_LOGICAL_NC_CONFIG is {raw!r}; set it to 1 or 2 (every NKI launch uses it "
+            "as its LNC)."
         )
     return int(raw)
 
