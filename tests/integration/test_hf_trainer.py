@@ -1,8 +1,6 @@
 """The hf path (Transformers v5 model) trains in torchtitan's Trainer through `qwentitan-launch`."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -15,16 +13,11 @@ _TINY = ["--recipe", "tiny_hf", "--ranks", "2", "--steps", "3", "--seq-len", "32
          "--local-batch-size", "2", "--validate-every", "100"]  # fmt: skip
 
 
-def test_tiny_hf_trains_on_two_ranks_and_checkpoints(tmp_path):
+def test_tiny_hf_trains_on_two_ranks_and_checkpoints(tmp_path, train_in_process):
     run_dir = tmp_path / "tiny_hf"
-    result = subprocess.run(
-        [sys.executable, "-m", "qwentitan.launch.cli", "train", *_TINY, "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    log = _ANSI.sub("", result.stdout + result.stderr)
-    assert result.returncode == 0, log[-3000:]
+    code, log = train_in_process([*_TINY, "--run-dir", str(run_dir)], tmp_path / "train.log")
+    log = _ANSI.sub("", log)
+    assert code == 0, log[-3000:]
     assert "dp_shard=2" in log  # FSDP over both gloo ranks
     losses = {int(s): float(loss) for s, loss, _ in _STEP.findall(log)}
     assert sorted(losses) == [1, 2, 3]

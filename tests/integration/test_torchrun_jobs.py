@@ -1,12 +1,11 @@
 """Jobs launched through torchrun agents: two agents on this machine join one c10d rendezvous
 over loopback as two "nodes"; SIGKILL of one rank -> torchrun restarts the group from the last
 checkpoint; SIGTERM -> a checkpoint at the next step boundary, clean exit, and a resume continues
-from it."""
+from it. The process tree is what these test, so they launch `qwentitan-launch run` as a process."""
 
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 pytestmark = pytest.mark.slow
 
 STEP_DIR = re.compile(r"step-(\d+)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list[str], log: Path) -> subprocess.Popen:
@@ -63,11 +57,11 @@ def logged_steps(text: str) -> list[int]:
     return [int(m.group(1)) for m in re.finditer(r"(?<!validate )step:\s*(\d+)\s+loss", plain)]
 
 
-def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):
+def test_two_nodes_of_one_rank_train_the_tiny_moe_recipe(tmp_path, free_port):
     port = free_port()
     run_dir = tmp_path / "run"
     common = [
-        "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1",
+        "--recipe", "tiny_moe", "--instance", "cpu", "--ranks-per-node", "1",
         "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--steps", "3", "--dump-folder", str(run_dir),
     ]  # fmt: skip
@@ -78,13 +72,17 @@ def test_two_nodes_of_one_rank_train_the_tiny_recipe(tmp_path):
     assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
     # Each node's plan: one rank here, world size 2 over the two nodes.
     assert all("ranks         2 = 2 x 1 per node" in t for t in text)
-    # The rank that logs (global rank 0) trained all three steps with FSDP over both nodes.
-    assert logged_steps(text[0] + text[1])[-1] == 3
+    # Global rank 0 (node 0) trained all three steps with FSDP over both nodes.
+    assert logged_steps(text[0]) == [1, 2, 3]
     checkpoint = run_dir / "checkpoint"
     assert saved_steps(checkpoint) == [3]
     # DCP writes one shard file per rank: two ranks took part.
     shards = sorted(p.name for p in (checkpoint / "step-3").glob("*.distcp"))
     assert len(shards) == 2, shards
+    # The MoE trained end to end: its routed experts and router are in the checkpoint.
+    saved = FileSystemReader(checkpoint / "step-3").read_metadata().state_dict_metadata
+    assert any(".moe.experts." in key for key in saved), sorted(saved)[:20]
+    assert any(".moe.router." in key for key in saved), sorted(saved)[:20]
 
 
 def _ranks(run_pid: int) -> list[psutil.Process]:
@@ -93,49 +91,28 @@ def _ranks(run_pid: int) -> list[psutil.Process]:
     return [rank for agent in agents for rank in agent.children()]
 
 
-def test_sigkill_of_one_rank_restarts_the_group_from_the_last_checkpoint(tmp_path):
-    run_dir = tmp_path / "run"
-    checkpoints = run_dir / "checkpoint"
-    log = tmp_path / "run.log"
-    proc = launch(
-        [
-            "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "2",
-            "--steps", "10", "--checkpoint-interval", "2", "--max-restarts", "1",
-            "--dump-folder", str(run_dir),
-        ],
-        log,
-    )  # fmt: skip
-    try:
-        wait_for(lambda: 4 in saved_steps(checkpoints), 400, "the step-4 checkpoint", proc)
-        victim = _ranks(proc.pid)[-1]
-        victim.send_signal(signal.SIGKILL)
-        code = proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert code == 0, text[-4000:]
-    # torchrun restarted the group once; the new ranks loaded the newest checkpoint (step 4 or
-    # later, on the interval) and ran exactly the remaining steps.
-    assert "failed (exitcode: -9)" in text
-    loads = re.findall(r"Loading the checkpoint from \S+/step-(\d+)", text)
-    assert len(loads) == 1, loads
-    resumed_from = int(loads[0])
-    assert resumed_from % 2 == 0 and resumed_from >= 4
-    after = logged_steps(text[text.index("Loading the checkpoint from") :])
-    assert after == list(range(resumed_from + 1, 11))
-    assert saved_steps(checkpoints)[-1] == 10
-
-
-def test_sigterm_checkpoints_at_the_next_step_and_a_resume_continues(tmp_path):
+def test_sigkill_restarts_from_the_last_checkpoint_sigterm_stops_with_one_and_resume_ends(
+    tmp_path,
+):
+    """One launch, two faults: SIGKILL of a rank makes torchrun restart the group from the newest
+    checkpoint; then SIGTERM to `run` checkpoints at the next step boundary and exits cleanly;
+    a second launch resumes from that checkpoint and runs exactly the remaining steps."""
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoint"
     args = ["--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "2",
-            "--steps", "8", "--checkpoint-interval", "100", "--dump-folder", str(run_dir)]  # fmt: skip
+            "--steps", "10", "--checkpoint-interval", "2", "--max-restarts", "1",
+            "--dump-folder", str(run_dir)]  # fmt: skip
     first = tmp_path / "first.log"
     proc = launch(args, first)
     try:
-        wait_for(lambda: len(logged_steps(first.read_text())) >= 2, 400, "two steps", proc)
+        wait_for(lambda: 2 in saved_steps(checkpoints), 400, "the step-2 checkpoint", proc)
+        _ranks(proc.pid)[-1].send_signal(signal.SIGKILL)
+        wait_for(
+            lambda: "Loading the checkpoint from" in first.read_text(), 400, "the restart", proc
+        )
+        restarted = first.read_text().index("Loading the checkpoint from")
+        # A step trained after the restart, then the launcher is told to stop.
+        wait_for(lambda: logged_steps(first.read_text()[restarted:]), 400, "a step", proc)
         os.kill(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=300)
     finally:
@@ -143,15 +120,22 @@ def test_sigterm_checkpoints_at_the_next_step_and_a_resume_continues(tmp_path):
             proc.kill()
     text = first.read_text()
     assert code == 0, text[-4000:]
+    # torchrun restarted the group once; the new ranks loaded the newest checkpoint (on the
+    # interval) and went on from the step after it.
+    assert "failed (exitcode: -9)" in text
+    loads = re.findall(r"Loading the checkpoint from \S+/step-(\d+)", text)
+    assert len(loads) == 1, loads
+    resumed_from = int(loads[0])
+    assert resumed_from % 2 == 0 and resumed_from >= 2
+    after = logged_steps(text[text.index("Loading the checkpoint from") :])
+    stopped_at = after[-1]
+    assert after == list(range(resumed_from + 1, stopped_at + 1))
+    # SIGTERM: a checkpoint at the step the ranks stopped after, before the last step.
     assert "SIGTERM received" in text
-    saved = saved_steps(checkpoints)
-    assert len(saved) == 1 and 2 <= saved[0] < 8, saved
-    stopped_at = saved[0]
-    assert logged_steps(text)[-1] == stopped_at
+    assert stopped_at < 10 and saved_steps(checkpoints)[-1] == stopped_at
 
     second = tmp_path / "second.log"
     proc = launch(args, second)
     assert proc.wait(timeout=600) == 0, second.read_text()[-4000:]
-    resumed = logged_steps(second.read_text())
-    assert resumed == list(range(stopped_at + 1, 9))
-    assert saved_steps(checkpoints)[-1] == 8
+    assert logged_steps(second.read_text()) == list(range(stopped_at + 1, 11))
+    assert saved_steps(checkpoints)[-1] == 10

@@ -1,62 +1,46 @@
-"""Preflight on CPU, pointed at weights exported from a short tiny training run: it passes, the
-initialisation check included; a deliberately broken weights folder fails the named check."""
+"""Preflight on CPU, pointed at weights exported from the session's short tiny training run: it
+passes, the initialisation check included; a deliberately broken weights folder fails the named
+check. Preflight runs in-process (`cli.main`): what is tested is its report, not a process tree."""
 
 import json
-import os
-import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from qwentitan.checkpoint import to_hf
+from qwentitan.launch import cli
 from qwentitan.modeling import flavor_to_hf_config
 
 pytestmark = pytest.mark.slow
 
-ENV = dict(os.environ, QWENTITAN_PLATFORM="cpu", OMP_NUM_THREADS="1")
 TINY = ["--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1"]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "qwentitan.launch.cli", *args],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=900,
-    )
+@pytest.fixture(autouse=True)
+def cpu_platform(monkeypatch):
+    monkeypatch.setenv("QWENTITAN_PLATFORM", "cpu")
 
 
 @pytest.fixture(scope="module")
-def trained_weights(tmp_path_factory) -> Path:
-    """40 steps of tiny_dense on one CPU rank, exported to an HF folder with qwentitan-ckpt."""
+def trained_weights(trained_tiny, tmp_path_factory) -> Path:
+    """The shared tiny run's last checkpoint, exported to an HF folder with qwentitan-ckpt."""
     root = tmp_path_factory.mktemp("tiny-trained")
-    result = cli("run", *TINY, "--steps", "40", "--dump-folder", str(root / "run"))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    steps = sorted(
-        int(m.group(1))
-        for p in (root / "run" / "checkpoint").iterdir()
-        if (m := re.fullmatch(r"step-(\d+)", p.name))
-    )
-    assert steps[-1] == 40
     flavor_to_hf_config("tiny-dense").to_json_file(root / "config.json")
-    return to_hf(root / "run" / "checkpoint" / "step-40", root / "hf", config=root / "config.json")
+    return to_hf(trained_tiny.last_checkpoint, root / "hf", config=root / "config.json")
 
 
-def preflight(weights: Path) -> tuple[int, dict]:
-    result = cli("preflight", *TINY, "--weights", str(weights), "--json")
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    out = result.stdout
+def preflight(weights: Path, capsys) -> tuple[int, dict]:
+    code = cli.main(["preflight", *TINY, "--weights", str(weights), "--json"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err[-3000:]
     start = out.index("{") if out.startswith("{") else out.index("\n{") + 1
-    return result.returncode, json.loads(out[start:])
+    return code, json.loads(out[start:])
 
 
-def test_preflight_passes_on_trained_tiny_weights(trained_weights):
-    code, report = preflight(trained_weights)
+def test_preflight_passes_on_trained_tiny_weights(trained_weights, capsys):
+    code, report = preflight(trained_weights, capsys)
     checks = {c["name"]: c for c in report["checks"]}
     assert code == 0 and report["passed"], json.dumps(report, indent=1)
     for name in ("versions", "devices", "weights", "round_trip", "initialisation", "disk"):
@@ -69,14 +53,14 @@ def test_preflight_passes_on_trained_tiny_weights(trained_weights):
     assert checks["round_trip"]["figures"]["differing"] == []
 
 
-def test_preflight_fails_a_broken_weights_folder_by_name(trained_weights, tmp_path):
+def test_preflight_fails_a_broken_weights_folder_by_name(trained_weights, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(trained_weights, broken)
     tensors = load_file(broken / "model.safetensors")
     name = next(k for k in tensors if k.endswith("mlp.down_proj.weight"))
     tensors[name] = tensors[name][:, :-1].contiguous()  # one column short
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    code, report = preflight(broken)
+    code, report = preflight(broken, capsys)
     assert code == 1 and not report["passed"]
     assert report["failed"] == ["weights"]
     weights = next(c for c in report["checks"] if c["name"] == "weights")
@@ -87,7 +71,7 @@ def test_preflight_fails_a_broken_weights_folder_by_name(trained_weights, tmp_pa
         assert check["status"] == "skip" and "weights" in check["detail"]
 
 
-def test_preflight_with_untrained_weights_fails_the_initialisation_check(tmp_path):
+def test_preflight_with_untrained_weights_fails_the_initialisation_check(tmp_path, capsys):
     """Randomly initialised weights have the right keys and shapes but the loss of random init."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -96,5 +80,5 @@ def test_preflight_with_untrained_weights_fails_the_initialisation_check(tmp_pat
     AutoModelForCausalLM.from_config(flavor_to_hf_config("tiny-dense")).save_pretrained(
         tmp_path / "hf"
     )
-    code, report = preflight(tmp_path / "hf")
+    code, report = preflight(tmp_path / "hf", capsys)
     assert code == 1 and report["failed"] == ["initialisation"], json.dumps(report, indent=1)

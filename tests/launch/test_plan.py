@@ -32,11 +32,11 @@ def test_fsdp_over_all_64_ranks_by_default():
 
 
 def test_env_keeps_runtime_lnc_and_compiler_flag_equal():
-    for lnc, ranks in ((2, 64), (1, 128)):
+    for lnc in (2, 1):
         env = plan(lnc=lnc).env
         assert env["NEURON_LOGICAL_NC_CONFIG"] == str(lnc)
         assert lnc_in_compiler_flags(env["NEURON_CC_FLAGS"]) == lnc
-        assert env["NEURON_RT_VISIBLE_CORES"] == f"0-{ranks - 1}"
+        assert "NEURON_RT_VISIBLE_CORES" not in env  # TorchNeuron sets one core per rank
         assert env["TORCH_NEURONX_NEFF_CACHE_DIR"]
         assert "FI_PROVIDER" not in env  # EFA only across nodes
 

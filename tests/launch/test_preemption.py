@@ -13,7 +13,6 @@ from qwentitan.launch.preemption import (
     PreemptionWatch,
     ignore_sigusr1,
     ranks_of,
-    supervise,
 )
 
 
@@ -136,4 +135,3 @@ def test_ranks_of_lists_direct_children_only():
         child.kill()
         child.wait()
     assert ranks_of(999_999_999) == []
-    assert supervise  # public entry used by `run`

@@ -1,8 +1,6 @@
 """Two ranks train, stop, resume: the resumed steps equal those of an uninterrupted run."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,27 +16,21 @@ _TINY = ["--ranks", "2", "--steps", "4", "--seq-len", "32", "--local-batch-size"
          "--validate-every", "2"]  # fmt: skip
 
 
-def train(run_dir, *extra):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qwentitan.launch.cli",
-            "train",
-            *_TINY,
-            "--run-dir",
-            str(run_dir),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    log = _ANSI.sub("", result.stdout + result.stderr)
-    assert result.returncode == 0, log[-3000:]
-    losses = {int(s): (float(loss), float(norm)) for s, loss, norm in _STEP.findall(log)}
-    validation = {int(s): float(loss) for s, loss in _VALIDATE.findall(log)}
-    return losses, validation, log
+@pytest.fixture(scope="module")
+def train(train_in_process, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+
+    def run(run_dir, *extra):
+        code, log = train_in_process(
+            [*_TINY, "--run-dir", str(run_dir), *extra], logs / f"{len(list(logs.iterdir()))}.log"
+        )
+        log = _ANSI.sub("", log)
+        assert code == 0, log[-3000:]
+        losses = {int(s): (float(loss), float(norm)) for s, loss, norm in _STEP.findall(log)}
+        validation = {int(s): float(loss) for s, loss in _VALIDATE.findall(log)}
+        return losses, validation, log
+
+    return run
 
 
 def _tensors(obj, prefix=""):
@@ -60,7 +52,7 @@ def final_state(run_dir, step, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, train):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     return run_dir, *train(run_dir)
 
@@ -74,7 +66,7 @@ def test_two_ranks_train_with_validation_and_checkpoint(uninterrupted):
     assert (run_dir / "checkpoint" / "step-4" / ".metadata").exists()
 
 
-def test_resume_continues_exactly(uninterrupted, tmp_path):
+def test_resume_continues_exactly(uninterrupted, train, tmp_path):
     reference_dir, reference, reference_validation, _ = uninterrupted
     run_dir = tmp_path / "interrupted"
     first, _, log = train(run_dir, "--stop-after", "2")

@@ -202,8 +202,17 @@ def test_a_hung_server_never_holds_up_a_training_step(tmp_path, monkeypatch):
         while not server.accepted and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.accepted, "the writer thread never tried the server"
-        train_with(logger)  # would hang for 600 s per request if log() waited on MLflow
-        logger.close()  # bounded by close_timeout_s
+
+        def train_and_close() -> None:
+            train_with(logger)  # would hang for 600 s per request if log() waited on MLflow
+            logger.close()  # bounded by close_timeout_s
+
+        # A regression fails here instead of hanging the suite: the steps and the close run in
+        # a daemon thread given a minute (they need well under a second when nothing waits).
+        worker = threading.Thread(target=train_and_close, daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "a training step or close() waited on the hung server"
         assert logger.writer.run_id is None  # the server never answered anything
         steps = [r["step"] for r in read_spool(logger.spool.path) if r["kind"] == "metrics"]
         assert steps[:STEPS] == list(range(1, STEPS + 1))

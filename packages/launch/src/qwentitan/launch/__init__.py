@@ -3,13 +3,14 @@
 from importlib import import_module
 from importlib.metadata import version as _version
 
-from qwentitan.launch.platforms import Platform, current_platform, get_platform
-
 __version__ = _version("qwentitan-launch")
 
-# Launch planning (trn2 topology, plans, preflight, SLURM, preemption), imported on first use so
-# that `import qwentitan.launch` stays light.
+# Everything is imported on first use, so that `import qwentitan.launch` (and the CLI's `--help`)
+# never pays for torch, torchtitan or mlflow.
 _LAZY = {
+    "Platform": "qwentitan.launch.platforms",
+    "current_platform": "qwentitan.launch.platforms",
+    "get_platform": "qwentitan.launch.platforms",
     "INSTANCES": "qwentitan.launch.topology",
     "Instance": "qwentitan.launch.topology",
     "Topology": "qwentitan.launch.topology",
@@ -28,7 +29,7 @@ _LAZY = {
     "run_preflight": "qwentitan.launch.preflight",
 }
 
-__all__ = ["Platform", "__version__", "current_platform", "get_platform", *sorted(_LAZY)]
+__all__ = ["__version__", *sorted(_LAZY)]
 
 
 def __getattr__(name: str):

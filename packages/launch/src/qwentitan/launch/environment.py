@@ -1,8 +1,19 @@
 """The environment of every rank: the Neuron runtime and compiler settings, EFA across nodes.
 
-The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's `--lnc` must be equal or the
-compiled NEFF fails to load (shared/reference/neuron.md); they are written together here and
-any conflicting value already in the shell is refused rather than silently overridden.
+The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's LNC must be equal: the Neuron
+SDK does not support compiling for another LNC than the runtime's (aws-neuron/aws-neuron-sdk,
+about-neuron/arch/neuron-features/logical-neuroncore-config.rst, which names
+the compiler options `--logical-nc-config` and `-lnc`). TorchNeuron passes `--lnc` from
+`NEURON_LOGICAL_NC_CONFIG` to neuronx-cc itself and appends `NEURON_CC_FLAGS` after it
+(TorchNeuron source, public mirror parmoham-aws/test-repo-parmoham:
+torch_neuronx/csrc/core/compilation/NeuronCompiler.cpp, csrc/core/KernelExecution.cpp); the plan
+writes the same value into both, and a conflicting value already in the shell is refused rather
+than silently overridden.
+
+`NEURON_RT_VISIBLE_CORES` is not set: TorchNeuron's process-group setup gives each process the
+core of its `LOCAL_RANK` when the variable is unset, then asserts that the process sees exactly
+one device (torch_neuronx/distributed/backend.py, `_set_rt_visible_cores` and
+`_neuron_runtime_setup`). A node-wide range would reach every rank and fail all of them.
 """
 
 from __future__ import annotations
@@ -33,7 +44,6 @@ def plan_env(topology: Topology, *, nodes: int, compile_cache: str) -> dict[str,
         # The runtime's LNC and the compiler's --lnc must be equal or the NEFF fails to load.
         env["NEURON_LOGICAL_NC_CONFIG"] = str(topology.lnc)
         env["NEURON_CC_FLAGS"] = f"--lnc={topology.lnc}"
-        env["NEURON_RT_VISIBLE_CORES"] = topology.visible_cores()
         env["NEURON_PLATFORM_TARGET_OVERRIDE"] = topology.instance.compile_target or ""
         env["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(Path(compile_cache).expanduser())
     if nodes > 1 and topology.instance.efa:
@@ -41,11 +51,16 @@ def plan_env(topology: Topology, *, nodes: int, compile_cache: str) -> dict[str,
     return env
 
 
+# Every spelling of the compiler's LNC option: neuronx-cc documents `--logical-nc-config` and
+# `-lnc`; TorchNeuron itself passes `--lnc`.
+_LNC_FLAGS = ("--lnc", "-lnc", "--logical-nc-config")
+
+
 def lnc_in_compiler_flags(flags: str) -> int | None:
-    """The --lnc value in a NEURON_CC_FLAGS string, if any (`--lnc=2`, `--lnc 2`, `--logical-nc-config`)."""
+    """The LNC a NEURON_CC_FLAGS string sets, if any (`--lnc=2`, `-lnc 2`, `--logical-nc-config`)."""
     words = shlex.split(flags)
     for i, word in enumerate(words):
-        for name in ("--lnc", "--logical-nc-config"):
+        for name in _LNC_FLAGS:
             if word.startswith(name + "="):
                 return int(word.split("=", 1)[1])
             if word == name and i + 1 < len(words):
@@ -53,10 +68,31 @@ def lnc_in_compiler_flags(flags: str) -> int | None:
     return None
 
 
+def visible_core_count(value: str) -> int:
+    """How many NeuronCores a NEURON_RT_VISIBLE_CORES value names (`3`: 1, `0-63`: 64, `0,2-3`: 3)."""
+    count = 0
+    for part in filter(None, value.replace(" ", "").split(",")):
+        low, _, high = part.partition("-")
+        try:
+            count += int(high or low) - int(low) + 1
+        except ValueError:
+            raise LaunchError(
+                f"NEURON_RT_VISIBLE_CORES={value} is not a core number or range; unset it."
+            ) from None
+    return count
+
+
 def merged_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str, str]:
     """The host environment with the plan's on top, refusing a conflicting LNC already set."""
     env = dict(os.environ if base is None else base)
     if plan.topology.device_type == "neuron":
+        visible = env.get("NEURON_RT_VISIBLE_CORES", "")
+        if visible_core_count(visible) > 1:
+            raise LaunchError(
+                f"NEURON_RT_VISIBLE_CORES={visible} is set in this shell and would give every "
+                "rank all those cores, which TorchNeuron refuses; unset it (each rank then gets "
+                "the core of its LOCAL_RANK)."
+            )
         runtime = env.get("NEURON_LOGICAL_NC_CONFIG")
         if runtime not in (None, str(plan.lnc)):
             raise LaunchError(
@@ -78,4 +114,15 @@ def merged_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str
         env["NEURON_CC_FLAGS"] = plan_flags
         return env
     env.update(plan.env)
+    return env
+
+
+def rank_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str, str]:
+    """What torchrun hands every rank of a planned run on this host: `merged_env` plus the platform."""
+    from qwentitan.launch.platforms import PLATFORM_ENV
+
+    env = merged_env(plan, base)
+    env[PLATFORM_ENV] = plan.topology.device_type  # every rank trains on what was planned
+    if plan.topology.device_type == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.ranks_per_node)))
     return env

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 USABLE_FRACTION = 0.9
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

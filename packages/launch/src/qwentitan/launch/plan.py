@@ -15,8 +15,6 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from qwentitan.launch.environment import plan_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.memory import USABLE_FRACTION, MemoryEstimate, ModelShape, estimate_memory
@@ -180,10 +178,12 @@ def recipe_names() -> list[str]:
 
 def default_instance(recipe: str) -> str:
     """trn2 recipes target a trn2.48xlarge; the others this host (cuda if it has GPUs, else cpu)."""
-    from qwentitan.launch.recipes.trn2 import TRN2_RECIPES
+    from qwentitan.launch.recipes import TRN2_RECIPES
 
     if recipe in TRN2_RECIPES:
         return "trn2.48xlarge"
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -226,6 +226,8 @@ def _tyro_message(text: str) -> str:
 
 def model_shape(config: Any) -> ModelShape:
     """Build the recipe's model on the meta device (no memory) and read its shape."""
+    import torch
+
     with torch.device("meta"):
         model = config.model_spec.model.build()
     return ModelShape.of(model)

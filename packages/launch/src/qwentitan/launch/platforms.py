@@ -7,6 +7,8 @@ how many ranks fit, which sequence lengths work) instead of probing torch itself
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import types
 from dataclasses import dataclass, field
@@ -32,7 +34,8 @@ PLATFORM_NAMES = ("cpu", "cuda", "neuron")
 PLATFORM_ENV = "QWENTITAN_PLATFORM"
 
 # Trainium2 NeuronCore-v3 TensorEngine: 79 BF16 TFLOPS per physical core; a rank owns LNC
-# physical cores (shared/reference/neuron.md, section 1; the figure torchtitan uses).
+# physical cores (aws-neuron/aws-neuron-sdk, about-neuron/arch/neuron-hardware/neuron-core-v3.rst;
+# torchtitan's tools/utils.py uses the same figure).
 _NEURON_TFLOPS_PER_PHYSICAL_CORE = 79e12
 
 
@@ -44,6 +47,9 @@ class MemoryStats:
     peak_bytes: int
     capacity_bytes: int
     kind: str  # "RSS" (cpu), "CUDA" or "HBM" (neuron)
+    device_peak_bytes: int | None = None
+    """Neuron only: the peak of the rank's whole core memory (tensors, scratchpad, code) from
+    sysfs, where this host exposes it; None elsewhere."""
 
 
 class CpuDeviceModule:
@@ -136,7 +142,8 @@ class Platform:
         return self.device_type == "cuda"
 
     def memory_stats(self) -> MemoryStats:
-        """This process's memory: RSS on CPU, allocator statistics on an accelerator."""
+        """This process's memory: RSS on CPU, allocator statistics on an accelerator (on Neuron,
+        what the runtime handed TorchNeuron's allocator: see `neuron_runtime`)."""
         stats = self.device_module.memory_stats()
         capacity = self.device_module.get_device_properties(0).total_memory
         kind = {"cpu": "RSS", "cuda": "CUDA"}.get(self.device_type, "HBM")
@@ -145,7 +152,15 @@ class Platform:
             peak_bytes=int(stats.get("reserved_bytes.all.peak", -1)),
             capacity_bytes=int(capacity),
             kind=kind,
+            device_peak_bytes=self._sysfs_peak() if self.device_type == "neuron" else None,
         )
+
+    def _sysfs_peak(self) -> int | None:
+        from qwentitan.launch.neuron_runtime import sysfs_peak_bytes
+
+        # TorchNeuron's process-group setup leaves one core here (the rank's LOCAL_RANK).
+        core = os.environ.get("NEURON_RT_VISIBLE_CORES", "")
+        return sysfs_peak_bytes(int(core), lnc=self.lnc or 1) if core.isdigit() else None
 
     def check_ranks(self, ranks: int) -> None:
         if ranks < 1:
@@ -185,6 +200,24 @@ def _cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _torch_neuron() -> Any:
+    """`torch.neuron`, importing TorchNeuron first where it is installed; None without it.
+
+    TorchNeuron registers `torch.neuron` when `torch_neuronx` is imported, which PyTorch's
+    backend autoload does unless TORCH_DEVICE_BACKEND_AUTOLOAD=0 (TorchNeuron's own torchtitan
+    tutorial sets it: docs/torchtitan/qwen3/train-qwen3.md in its source, public mirror
+    parmoham-aws/test-repo-parmoham). Without this import a trn2 host would train on its CPU.
+    """
+    if getattr(torch, "neuron", None) is None:
+        try:
+            installed = importlib.util.find_spec("torch_neuronx") is not None
+        except ValueError:  # sys.modules holds None for it: its import is blocked on purpose
+            installed = False
+        if installed:
+            importlib.import_module("torch_neuronx")
+    return getattr(torch, "neuron", None)
+
+
 def get_platform(name: str) -> Platform:
     """The platform called `name` (`cpu`, `cuda`, `neuron`), as this host would run it."""
     if name == "cpu":
@@ -210,8 +243,10 @@ def get_platform(name: str) -> Platform:
             peak_flops=get_peak_flops(torch.cuda.get_device_name()) if available else None,
         )
     if name == "neuron":
+        from qwentitan.launch.neuron_runtime import NeuronDeviceModule
+
         lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
-        module = getattr(torch, "neuron", None)
+        module = _torch_neuron()
         return Platform(
             name="neuron",
             device_type="neuron",
@@ -221,6 +256,8 @@ def get_platform(name: str) -> Platform:
             peak_flops=_NEURON_TFLOPS_PER_PHYSICAL_CORE * lnc,
             seq_len_multiple=128 * lnc,
             lnc=lnc,
+            # TorchNeuron's memory_stats() is nested; torchtitan reads torch.cuda's flat keys.
+            _device_module=NeuronDeviceModule(module) if module is not None else None,
         )
     raise LaunchError(
         f"Unknown platform {name!r}; choose one of {', '.join(PLATFORM_NAMES)} "
@@ -233,7 +270,7 @@ def current_platform() -> Platform:
     forced = os.environ.get(PLATFORM_ENV)
     if forced:
         return get_platform(forced)
-    neuron = getattr(torch, "neuron", None)
+    neuron = _torch_neuron()
     if neuron is not None and neuron.is_available():
         return get_platform("neuron")
     if torch.cuda.is_available():

@@ -1,9 +1,12 @@
 """The machines a run can be planned for: Trainium instances and the local CPU / CUDA host.
 
-Figures come from shared/reference/neuron.md (AWS documentation): a trn2.48xlarge holds 16
-Trainium2 chips of 8 physical NeuronCores and 96 GiB HBM each; at LNC=2 two physical cores act
-as one logical core, so a chip gives 4 ranks of 24 GiB and the instance 64 ranks. A
-trn1.32xlarge holds 16 Trainium chips of 2 NeuronCores and 32 GiB HBM each (LNC=1 only).
+Figures from the Neuron SDK documentation (aws-neuron/aws-neuron-sdk): a trn2.48xlarge holds 16
+Trainium2 chips of 8 physical NeuronCore-v3 and 96 GiB HBM each
+(about-neuron/arch/neuron-hardware/trainium2.rst, nki/guides/architecture/trainium2_arch.rst);
+at LNC=2 two physical cores act as one logical core
+(about-neuron/arch/neuron-features/logical-neuroncore-config.rst), so a chip gives 4 ranks of
+24 GiB and the instance 64 ranks. A trn1.32xlarge holds 16 Trainium chips of 2 NeuronCore-v2 and
+32 GiB HBM each (about-neuron/arch/neuron-hardware/trainium.rst), LNC=1 only.
 """
 
 from __future__ import annotations
@@ -63,10 +66,6 @@ class Topology:
     def seq_len_multiple(self) -> int:
         """Neuron kernels tile the sequence in 128-row blocks per physical core of a logical one."""
         return 128 * self.lnc if self.device_type == "neuron" else 1
-
-    def visible_cores(self) -> str:
-        """NEURON_RT_VISIBLE_CORES for one node: every logical core, one per local rank."""
-        return f"0-{self.ranks_per_node - 1}" if self.ranks_per_node > 1 else "0"
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -16,11 +16,16 @@ This module adds only what torchtitan 0.3.0 lacks, one place each:
 - `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
 - `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
   the preemption signals the launcher adds), so `--resume` continues exactly.
+- `Trainer.train_step()`: the first step of a process is timed apart (on Neuron it compiles for
+  minutes) and, on Neuron, followed by the list of ops TorchNeuron ran on the CPU; both go to
+  RUN_DIR/reports/first_step.json (what `preflight --compile-smoke` reads), the CPU fallbacks
+  also to the console and the MLflow run's tags.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +33,10 @@ from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
 from torchtitan.tools.logging import logger
 
+from qwentitan.launch.neuron_runtime import report_fallback_ops
 from qwentitan.launch.platforms import Platform, current_platform
 from qwentitan.launch.preemption import PreemptionWatch
+from qwentitan.launch.tracking.reports import FIRST_STEP, attach_report
 
 __all__ = [
     "Trainer",
@@ -86,6 +93,7 @@ class Trainer(torchtitan_trainer.Trainer):
     config: Config
     platform: Platform
     preemption: PreemptionWatch
+    first_step_done: bool = False
 
     def __init__(self, config: Config) -> None:
         self.platform = current_platform()
@@ -102,6 +110,22 @@ class Trainer(torchtitan_trainer.Trainer):
             # No published peak here (CPU): torchtitan's only switch that drops MFU from the
             # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.
             self.metrics_processor.has_quantization = True
+
+    def train_step(self, data_iterator) -> None:
+        if self.first_step_done:
+            return super().train_step(data_iterator)
+        start = time.perf_counter()
+        super().train_step(data_iterator)
+        self.platform.device_module.synchronize()
+        seconds = time.perf_counter() - start
+        self.first_step_done = True
+        logger.info(f"First step {self.step}: {seconds:.1f} s (compilation included).")
+        fallback = None
+        if self.platform.device_type == "neuron":
+            fallback = report_fallback_ops(getattr(self.metrics_processor, "mlflow", None))
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            report = {"step": self.step, "seconds": round(seconds, 3), "fallback_ops": fallback}
+            attach_report(self.config.dump_folder, FIRST_STEP, report)
 
     def stop_reason(self) -> str | None:
         """Why training should stop at this step boundary, or None to go on.

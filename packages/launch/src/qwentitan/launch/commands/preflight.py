@@ -20,6 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="HF model folder (default: the recipe's)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
+        "--compile-smoke",
+        action="store_true",
+        help="also train one step on this host (the target): reports the first step's time, "
+        "compilation included, and fails if it fails (minutes on Neuron)",
+    )
+    parser.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="let the compile smoke pass when TorchNeuron ran some ops on the CPU",
+    )
+    parser.add_argument(
         "--mlflow",
         nargs="?",
         const=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
@@ -32,7 +43,12 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.preflight import run_preflight
 
     plan = plan_from_args(args)
-    report = run_preflight(plan, weights_dir=args.weights)
+    report = run_preflight(
+        plan,
+        weights_dir=args.weights,
+        compile_smoke=args.compile_smoke,
+        allow_fallback=args.allow_fallback,
+    )
     print(report.to_json() if args.json else report.render())
     if args.mlflow:
         run_id = report.log_to_mlflow(args.mlflow, os.environ.get("MLFLOW_RUN_ID"))

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from qwentitan.launch.environment import merged_env
+from qwentitan.launch.environment import rank_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import LaunchPlan
 from qwentitan.launch.plan_cli import add_plan_arguments, describe, plan_from_args
-from qwentitan.launch.preemption import supervise
 
 NAME = "run"
 HELP = (
@@ -57,15 +55,11 @@ def run(args: argparse.Namespace) -> int:
     print(describe(plan), flush=True)
     if args.dry_run:
         return 0
-    from qwentitan.launch.platforms import PLATFORM_ENV
+    from qwentitan.launch.preemption import supervise
 
     check_host(plan)
-    env = merged_env(plan)
-    env[PLATFORM_ENV] = plan.topology.device_type  # every rank trains on what was planned
-    if plan.topology.device_type == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.ranks_per_node)))
     argv = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args()[1:]]
-    return supervise(argv, env)
+    return supervise(argv, rank_env(plan))
 
 
 def check_host(plan: LaunchPlan) -> None:

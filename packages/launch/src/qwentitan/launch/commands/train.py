@@ -16,11 +16,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from qwentitan.launch.data import check_tokenizer_folder, resolve_dataset
 from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.platforms import PLATFORM_ENV, Platform, current_platform
 from qwentitan.launch.recipes import get_recipe, recipe_names
+
+if TYPE_CHECKING:
+    from qwentitan.launch.platforms import Platform
 
 NAME = "train"
 HELP = (
@@ -62,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qwentitan.launch.data import check_tokenizer_folder, resolve_dataset
+    from qwentitan.launch.platforms import current_platform
+
     platform = current_platform()
     recipe = get_recipe(args.recipe)
     ranks = args.ranks if args.ranks is not None else min(2, platform.max_ranks)
@@ -160,6 +165,8 @@ def _prepare_checkpoints(folder: Path, *, resume: bool, steps: int) -> None:
 
 
 def _rank_environment(platform: Platform, ranks: int) -> dict[str, str]:
+    from qwentitan.launch.platforms import PLATFORM_ENV
+
     env = dict(os.environ)
     env[PLATFORM_ENV] = platform.name  # every rank trains on what was checked here
     if platform.device_type == "cpu":

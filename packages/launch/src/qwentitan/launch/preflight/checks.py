@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as md
+import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env
+from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env, rank_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import LaunchPlan
 from qwentitan.launch.preflight.report import CheckResult
@@ -211,3 +218,64 @@ def check_kernels(plan: LaunchPlan) -> CheckResult:
 def env_summary() -> dict[str, str]:
     keys = ("NEURON_LOGICAL_NC_CONFIG", "NEURON_CC_FLAGS", "NEURON_RT_VISIBLE_CORES")
     return {k: os.environ[k] for k in keys if k in os.environ}
+
+
+Runner = Callable[[list[str], dict[str, str]], int]
+
+
+def _run(command: list[str], env: dict[str, str]) -> int:
+    return subprocess.run(command, env=env).returncode
+
+
+def smoke_command(plan: LaunchPlan, run_dir: Path) -> list[str]:
+    """The plan's own torchrun command on this one node, cut to one step with no checkpoint."""
+    smoke = ["--training.steps", "1", "--checkpoint.no-enable", "--dump-folder", str(run_dir)]
+    overrides = list(plan.overrides)
+    # The activation-checkpointing choice is a tyro subcommand, which must stay last.
+    at = len(overrides) - (bool(overrides) and overrides[-1].startswith("activation-checkpoint:"))
+    overrides[at:at] = smoke
+    one_node = dataclasses.replace(plan, nodes=1, rdzv_endpoint="localhost:0", overrides=overrides)
+    return [sys.executable, "-m", "torch.distributed.run", *one_node.torchrun_args()[1:]]
+
+
+def check_compile_smoke(
+    plan: LaunchPlan, *, allow_fallback: bool = False, runner: Runner | None = None
+) -> CheckResult:
+    """Train one step of the recipe on this host (the target): compile time and CPU fallbacks.
+
+    The first step compiles every graph (minutes on Neuron), so a compile failure shows here
+    instead of an hour into a paid run. A step in which TorchNeuron ran ops on the CPU fails the
+    check unless `allow_fallback`.
+    """
+    wanted = plan.topology.device_type
+    if host_device_type() != wanted:
+        return CheckResult("compile_smoke", "skip", f"runs one step on a {wanted} host only")
+    with tempfile.TemporaryDirectory(prefix="qwentitan-smoke-") as tmp:
+        run_dir = Path(tmp)
+        env = rank_env(plan)
+        env["QWENTITAN_MLFLOW"] = "off"  # a smoke step is not a run to keep
+        start = time.perf_counter()
+        code = (runner or _run)(smoke_command(plan, run_dir), env)
+        wall = time.perf_counter() - start
+        report_file = run_dir / "reports" / "first_step.json"
+        report = json.loads(report_file.read_text()) if report_file.is_file() else None
+    figures: dict[str, object] = {"wall_s": round(wall, 1), "exit_code": code}
+    if code != 0 or report is None:
+        why = f"exit code {code}" if code != 0 else "no first-step report was written"
+        detail = f"one training step failed ({why}); see its log above"
+        return CheckResult("compile_smoke", "fail", detail, figures)
+    fallback = report.get("fallback_ops")
+    figures.update(first_step_s=report["seconds"], fallback_ops=fallback)
+    detail = f"one step in {report['seconds']:.1f} s (compilation included)"
+    if fallback:
+        listed = ", ".join(fallback)
+        if not allow_fallback:
+            return CheckResult(
+                "compile_smoke",
+                "fail",
+                f"{detail}, but {len(fallback)} ops ran on the CPU ({listed}); fix them or pass "
+                "--allow-fallback",
+                figures,
+            )
+        detail += f"; {len(fallback)} ops ran on the CPU, allowed ({listed})"
+    return CheckResult("compile_smoke", "pass", detail, figures)

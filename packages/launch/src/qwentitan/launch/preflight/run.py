@@ -10,8 +10,17 @@ from qwentitan.launch.preflight import checks, weights
 from qwentitan.launch.preflight.report import CheckResult, PreflightReport
 
 
-def run_preflight(plan: LaunchPlan, *, weights_dir: str | None = None) -> PreflightReport:
-    """All checks, in the order a user would fix them; a check that crashes is a failure."""
+def run_preflight(
+    plan: LaunchPlan,
+    *,
+    weights_dir: str | None = None,
+    compile_smoke: bool = False,
+    allow_fallback: bool = False,
+) -> PreflightReport:
+    """All checks, in the order a user would fix them; a check that crashes is a failure.
+
+    `compile_smoke` adds a last check that trains one step on this host (minutes on Neuron).
+    """
     host = checks.host_device_type()
     report = PreflightReport(plan.recipe, plan.topology.name, f"{socket.gethostname()} ({host})")
     folder = weights.weights_folder(plan, weights_dir)
@@ -26,6 +35,13 @@ def run_preflight(plan: LaunchPlan, *, weights_dir: str | None = None) -> Prefli
         ("initialisation", lambda: weights.check_initialisation(plan, folder, host)),
         ("disk", lambda: checks.check_disk(plan)),
     ]
+    if compile_smoke:
+        steps.append(
+            (
+                "compile_smoke",
+                lambda: checks.check_compile_smoke(plan, allow_fallback=allow_fallback),
+            )
+        )
     for name, check in steps:
         if name in ("round_trip", "initialisation") and _failed(report, "weights"):
             report.checks.append(CheckResult(name, "skip", "the weights check failed"))

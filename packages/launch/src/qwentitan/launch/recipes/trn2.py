@@ -1,4 +1,4 @@
-"""The three trn2.48xlarge recipes, one per implementation path (see shared/DESIGN.md).
+"""The three trn2.48xlarge recipes, one per implementation path (hf, native, moe-kernels).
 
 Each is a torchtitan config-registry function (`--module qwentitan.launch.recipes --config
 <name>`) returning a Trainer.Config sized for one trn2.48xlarge at LNC=2: 64 ranks, FSDP over
@@ -26,10 +26,9 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
+from qwentitan.launch.recipes import TRN2_RECIPES
 from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.launch.trainer import Trainer
-
-TRN2_RECIPES = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
 
 __all__ = ["TRN2_RECIPES", "qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"]
 

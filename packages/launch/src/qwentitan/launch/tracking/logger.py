@@ -174,6 +174,11 @@ class MLflowLogger(BaseLogger, Configurable):
         self._last_step = max(self._last_step, step)
         self._emit("metrics", step=step, time_ms=now_ms(), values=values)
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Add or change tags of the run while it logs (for facts known only after a step)."""
+        if not self._closed:
+            self._emit("tags", tags=dict(tags))
+
     def attach(self, file: str | os.PathLike[str], artifact_path: str = REPORTS_FOLDER) -> None:
         """Upload `file` (inside the run folder) as an artifact of this run, once."""
         path = Path(file).resolve()

@@ -75,6 +75,7 @@ def run_pilot(
             continue
         env = dict(os.environ)
         env.update(
+            QWENTITAN_MLFLOW="on",  # the pilot exists to compare runs in MLflow
             MLFLOW_TRACKING_URI=uri,
             QWENTITAN_MLFLOW_EXPERIMENT=experiment,
             QWENTITAN_MLFLOW_PARENT_RUN_ID=parent,

@@ -21,6 +21,7 @@ from qwentitan.launch.tracking.logger import REPORTS_FOLDER, _write_atomically, 
 LAUNCH_PLAN = "launch_plan"
 PREFLIGHT = "preflight"
 CHECKPOINT_VERIFICATION = "checkpoint_verification"
+FIRST_STEP = "first_step"  # the first step's time (compile included) and the CPU fallbacks
 
 
 def attach_report(

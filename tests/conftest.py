@@ -1,0 +1,68 @@
+"""Every test runs hermetically: caches, MLflow stores and stray outputs land in pytest's temp
+folder, never in the checkout or the user's home, and MLflow is off unless a test turns it on.
+
+Environment variables are how these settings reach subprocesses (torchrun ranks inherit them),
+so they are set for the whole session; a test about tracking sets its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_environment(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("session")
+    with pytest.MonkeyPatch.context() as patch:
+        # One tokenizer / corpus build per test session, shared by its tests and their ranks.
+        patch.setenv("QWENTITAN_CACHE", str(root / "cache"))
+        patch.setenv("QWENTITAN_MLFLOW", "off")
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        # Libraries' own caches and settings (Hugging Face, Chromium's profile helpers).
+        patch.setenv("HF_HOME", str(root / "huggingface"))
+        patch.setenv("XDG_CACHE_HOME", str(root / "xdg-cache"))
+        patch.setenv("XDG_CONFIG_HOME", str(root / "xdg-config"))
+        # Relative defaults (./outputs, ./mlflow.db, ./mlruns) resolve here, not in the checkout.
+        patch.chdir(root)
+        yield root
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr file descriptors (so its children's) to `path`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with path.open("w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+def _train(argv: Sequence[str], log: Path) -> tuple[int, str]:
+    from qwentitan.launch import cli
+
+    with _output_to(log):
+        code = cli.main(["train", *argv])
+    return code, log.read_text()
+
+
+@pytest.fixture(scope="session")
+def train_in_process() -> Callable[[Sequence[str], Path], tuple[int, str]]:
+    """`qwentitan-launch train ARGV` called in this process (torchrun and the ranks are still
+    processes); returns the exit code and everything the launcher and its ranks printed, which
+    is also left in the file `log`. For tests whose subject is not the launcher's process tree."""
+    return _train

@@ -1,0 +1,60 @@
+"""One short training run shared by the integration tests that only need its results.
+
+`trained_tiny` trains `tiny_dense` once per session on two CPU ranks through
+`qwentitan-launch train` (called in-process: the launcher's own process tree is what
+test_torchrun_jobs.py tests), with MLflow on but pointed at a port where nothing listens, so the run
+also leaves the spool that `sync-mlflow` replays. Tests read its folder; none may change it.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TRAINED_STEPS = 20  # enough for the loaded loss to sit well below a random head's (preflight)
+TRAINED_EXPERIMENT = "trained-tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port() -> Callable[[], int]:
+    """A function returning a loopback port that nothing listens on (right now)."""
+    return _free_port
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    run_dir: Path
+    steps: int
+    experiment: str  # the MLflow experiment its spool names
+    log: str
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.run_dir / "checkpoint" / f"step-{self.steps}"
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory, train_in_process) -> TrainedRun:
+    root = tmp_path_factory.mktemp("trained-tiny")
+    run_dir = root / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QWENTITAN_MLFLOW", "on")
+        patch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # unreachable
+        patch.setenv("QWENTITAN_MLFLOW_EXPERIMENT", TRAINED_EXPERIMENT)
+        code, log = train_in_process(
+            ["--recipe", "tiny_dense", "--ranks", "2", "--steps", str(TRAINED_STEPS),
+             "--run-dir", str(run_dir)],
+            root / "train.log",
+        )  # fmt: skip
+    assert code == 0, log[-4000:]
+    return TrainedRun(run_dir, TRAINED_STEPS, TRAINED_EXPERIMENT, log)

@@ -1,0 +1,405 @@
+"""The launch side of the trn2 path against a fake TorchNeuron that behaves as its public source does.
+
+Nothing here runs on Trainium. `FakeTorchNeuronx` reproduces the behaviour the launcher depends
+on, as read in TorchNeuron's Python source (public mirror `parmoham-aws/test-repo-parmoham`):
+
+- `torch_neuronx/distributed/backend.py` (`_set_rt_visible_cores`, `_neuron_runtime_setup`):
+  when the neuron process group starts, each process sets `NEURON_RT_VISIBLE_CORES` to its
+  `LOCAL_RANK` only if the variable is unset, then asserts the runtime shows it one device;
+- `torch_neuronx/memory.py` (`memory_stats`): nested dicts, `stats["allocated_bytes"]["peak"]`,
+  `reserved_bytes` always 0 (no cache yet);
+- `torch_neuronx/__init__.py` (`get_fallback_ops`): the names of the ops that ran on the CPU.
+
+If TorchNeuron changes one of these, the fake and the code it checks must change together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwentitan.launch.cli import main
+from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env, plan_env
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.plan import load_config
+from qwentitan.launch.platforms import get_platform
+from qwentitan.launch.topology import get_topology
+
+GIB = 1024**3
+TRN2 = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
+
+
+def _cores(visible: str) -> list[int]:
+    """The NeuronCores a NEURON_RT_VISIBLE_CORES value names (`3`, `0-63`, `0,2-3`)."""
+    cores: list[int] = []
+    for part in visible.split(","):
+        low, _, high = part.partition("-")
+        cores += range(int(low), int(high or low) + 1)
+    return cores
+
+
+class FakeTorchNeuronx(types.ModuleType):
+    """`torch_neuronx` as far as the launcher sees it, one process of one rank."""
+
+    def __init__(self, *, fallback: list[str] | None = None, logical_cores: int = 64) -> None:
+        super().__init__("torch_neuronx")
+        self.logical_cores = logical_cores
+        self.fallback = list(fallback or [])
+        self.allocated = {
+            "current": 3 * GIB,
+            "peak": 5 * GIB,
+            "allocated": 9 * GIB,
+            "freed": 6 * GIB,
+        }
+        self.runtime_initialised = False
+        neuron = types.ModuleType("torch.neuron")
+        neuron.is_available = lambda: True
+        neuron.device_count = self.device_count
+        neuron.current_device = lambda: 0
+        neuron.memory_stats = self.memory_stats
+        neuron.reset_peak_memory_stats = self.reset_peak_memory_stats
+        neuron.get_device_properties = lambda device=None: types.SimpleNamespace(
+            name="NeuronCore-v3", total_memory=24 * GIB
+        )
+        self.neuron = neuron
+
+    # torch_neuronx/distributed/backend.py
+    def init_process_group(self, env: dict[str, str]) -> None:
+        assert not self.runtime_initialised, "runtime initialised before init_process_group"
+        if not env.get("NEURON_RT_VISIBLE_CORES"):
+            env["NEURON_RT_VISIBLE_CORES"] = env["LOCAL_RANK"]
+        self.runtime_initialised = True
+        self.visible = _cores(env["NEURON_RT_VISIBLE_CORES"])
+        assert self.device_count() == 1, (
+            "Attempted to have more than one device per process in distributed setup"
+        )
+
+    def device_count(self) -> int:
+        return len(self.visible) if self.runtime_initialised else self.logical_cores
+
+    # torch_neuronx/memory.py
+    def memory_stats(self, device=None) -> dict[str, object]:
+        zero = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+        return {
+            "allocated_bytes": dict(self.allocated),
+            "reserved_bytes": zero,
+            "active_bytes": dict(self.allocated),
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+            "num_tensor_frees": 7,
+            "allocation_requests": 11,
+        }
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.allocated["peak"] = self.allocated["current"]
+
+    # torch_neuronx/__init__.py
+    def get_fallback_ops(self) -> list[str]:
+        return list(self.fallback)
+
+
+@pytest.fixture
+def neuron(monkeypatch):
+    """Install a fake TorchNeuron: `import torch_neuronx` and `torch.neuron` both find it."""
+
+    def install(**kwargs) -> FakeTorchNeuronx:
+        fake = FakeTorchNeuronx(**kwargs)
+        monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+        monkeypatch.setattr(torch, "neuron", fake.neuron, raising=False)
+        monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+        return fake
+
+    return install
+
+
+# finding 1: one visible NeuronCore per rank
+
+
+@pytest.mark.parametrize("local_rank", [0, 1, 63])
+def test_every_rank_of_a_trn2_node_starts_its_process_group(neuron, local_rank):
+    env = plan_env(get_topology("trn2.48xlarge"), nodes=1, compile_cache="/tmp/neff")
+    env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE="64")
+    fake = neuron()
+    fake.init_process_group(env)
+    assert env["NEURON_RT_VISIBLE_CORES"] == str(local_rank)
+
+
+@pytest.mark.parametrize("recipe", TRN2)
+def test_trn2_plans_name_no_core_range(recipe, capsys):
+    assert main(["plan", "--recipe", recipe, "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)["env"]
+    assert len(_cores(env.get("NEURON_RT_VISIBLE_CORES", "0"))) == 1
+
+
+def test_a_core_range_in_the_shell_is_refused_in_one_sentence():
+    from qwentitan.launch.plan import resolve_plan
+
+    plan = resolve_plan("qwen3_4b_native")
+    with pytest.raises(LaunchError, match=r"^NEURON_RT_VISIBLE_CORES=0-63 .* unset it"):
+        merged_env(plan, {"NEURON_RT_VISIBLE_CORES": "0-63"})
+    # One core is what a user pins on purpose for a one-rank run; it is passed through.
+    assert merged_env(plan, {"NEURON_RT_VISIBLE_CORES": "5"})["NEURON_RT_VISIBLE_CORES"] == "5"
+    assert "NEURON_RT_VISIBLE_CORES" not in merged_env(plan, {})
+
+
+# finding 5: TorchNeuron's nested memory_stats
+
+
+def test_neuron_memory_reads_the_nested_allocator_statistics(neuron, monkeypatch, tmp_path):
+    from qwentitan.launch import neuron_runtime
+
+    neuron()
+    stats = get_platform("neuron").memory_stats()
+    assert (stats.current_bytes, stats.peak_bytes) == (3 * GIB, 5 * GIB)
+    assert stats.capacity_bytes == 24 * GIB and stats.kind == "HBM"
+    # The rank's own core (set by TorchNeuron from LOCAL_RANK) gives the sysfs figure too.
+    folder = tmp_path / "neuron0/neuron_core2/stats/memory_usage/device_mem"
+    folder.mkdir(parents=True)
+    (folder / "peak").write_text(str(8 * GIB))
+    monkeypatch.setattr(neuron_runtime, "SYSFS_ROOT", tmp_path)
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "1")
+    assert get_platform("neuron").memory_stats().device_peak_bytes == 8 * GIB
+
+
+def test_torchtitans_memory_monitor_reads_the_neuron_peak(neuron, monkeypatch):
+    """torchtitan's DeviceMemoryMonitor reads flat CUDA keys: the platform's module supplies them."""
+    from torchtitan.components import metrics
+
+    neuron()
+    module = get_platform("neuron").device_module
+    monkeypatch.setattr(metrics, "device_module", module)
+    monitor = object.__new__(metrics.DeviceMemoryMonitor)
+    monitor.device, monitor.device_capacity = "neuron:0", 24 * GIB
+    peak = monitor.get_peak_stats()
+    # What NRT handed the allocator is what CUDA calls reserved; TorchNeuron caches nothing.
+    assert peak.max_active_gib == 5.0 and peak.max_reserved_gib == 5.0
+    assert (peak.num_alloc_retries, peak.num_ooms) == (0, 0)
+    assert module.device_count() == 64  # everything else is TorchNeuron's own module
+
+
+def test_the_per_core_peak_is_read_from_sysfs(tmp_path):
+    from qwentitan.launch.neuron_runtime import sysfs_peak_bytes
+
+    # Logical core 5 at LNC 2 is physical cores 10 and 11: chip 1, cores 2 and 3.
+    for core, peak in ((2, 7 * GIB), (3, 6 * GIB)):
+        folder = tmp_path / "neuron1" / f"neuron_core{core}/stats/memory_usage/device_mem"
+        folder.mkdir(parents=True)
+        (folder / "peak").write_text(f"{peak}\n")
+    assert sysfs_peak_bytes(5, lnc=2, root=tmp_path) == 7 * GIB
+    assert sysfs_peak_bytes(6, lnc=2, root=tmp_path) is None  # not readable: no figure
+
+
+# finding 6: silent CPU fallbacks
+
+
+class _Tags:
+    def __init__(self) -> None:
+        self.tags: dict[str, str] = {}
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+
+def test_fallback_ops_are_tagged_and_warned(neuron, caplog):
+    from qwentitan.launch.neuron_runtime import report_fallback_ops
+
+    neuron(fallback=["aten::_foreach_sqrt", "aten::nonzero"])
+    run = _Tags()
+    with caplog.at_level(logging.WARNING):
+        ops = report_fallback_ops(run)
+    assert ops == ["aten::_foreach_sqrt", "aten::nonzero"]
+    assert run.tags == {
+        "neuron.fallback_ops": "aten::_foreach_sqrt,aten::nonzero",
+        "neuron.fallback_op_count": "2",
+    }
+    assert "2 ops ran on the CPU" in caplog.text and "aten::nonzero" in caplog.text
+
+
+def test_no_fallback_is_tagged_as_none(neuron, caplog):
+    from qwentitan.launch.neuron_runtime import report_fallback_ops
+
+    neuron()
+    run = _Tags()
+    with caplog.at_level(logging.WARNING):
+        assert report_fallback_ops(run) == []
+    assert run.tags == {"neuron.fallback_ops": "none", "neuron.fallback_op_count": "0"}
+    assert "CPU" not in caplog.text
+
+
+def test_without_torchneuron_there_is_no_fallback_list(monkeypatch):
+    from qwentitan.launch.neuron_runtime import fallback_ops
+
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # import fails
+    assert fallback_ops() is None
+
+
+# finding 9: the compiler's -lnc spelling
+
+
+@pytest.mark.parametrize(
+    ("flags", "lnc"),
+    [("-lnc 1", 1), ("-O1 -lnc=1", 1), ("--lnc 2", 2), ("--logical-nc-config=1", 1), ("-O1", None)],
+)
+def test_every_spelling_of_the_compiler_lnc_is_read(flags, lnc):
+    assert lnc_in_compiler_flags(flags) == lnc
+
+
+def test_a_conflicting_short_lnc_flag_is_refused():
+    from qwentitan.launch.plan import resolve_plan
+
+    plan = resolve_plan("qwen3_4b_native")
+    with pytest.raises(LaunchError, match="NEURON_CC_FLAGS sets --lnc=1"):
+        merged_env(plan, {"NEURON_CC_FLAGS": "-O1 -lnc 1"})
+
+
+# finding 10 (and 6 in preflight): the one-step compile smoke
+
+
+def _smoke_runner(seconds: float, fallback: list[str] | None):
+    """Stands for `qwentitan-launch train --steps 1`: writes what the Trainer writes after step 1."""
+    calls: list[list[str]] = []
+
+    def run(command: list[str], env: dict[str, str]) -> int:
+        calls.append(command)
+        folder = Path(command[command.index("--dump-folder") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        report = {"step": 1, "seconds": seconds, "fallback_ops": fallback}
+        (folder / "reports").mkdir(parents=True, exist_ok=True)
+        (folder / "reports" / "first_step.json").write_text(json.dumps(report))
+        return 0
+
+    run.calls = calls
+    return run
+
+
+def test_compile_smoke_reports_the_first_step_time(monkeypatch):
+    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.preflight import checks
+
+    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+    runner = _smoke_runner(312.5, None)
+    result = checks.check_compile_smoke(plan, runner=runner)
+    assert result.status == "pass" and result.figures["first_step_s"] == 312.5
+    assert "312.5 s" in result.detail
+    # The command is the plan's own torchrun line, which torchtitan parses to one step, no saves.
+    command = runner.calls[0]
+    overrides = command[command.index("--config") + 2 :]
+    config = load_config("tiny_dense", overrides)
+    assert config.training.steps == 1 and not config.checkpoint.enable
+    assert config.dump_folder == command[command.index("--dump-folder") + 1]
+
+
+def test_compile_smoke_fails_a_step_that_falls_back_unless_allowed(monkeypatch):
+    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.preflight import checks
+
+    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+    runner = _smoke_runner(5.0, ["aten::nonzero"])
+    failed = checks.check_compile_smoke(plan, runner=runner)
+    assert failed.status == "fail" and "aten::nonzero" in failed.detail
+    assert "--allow-fallback" in failed.detail
+    allowed = checks.check_compile_smoke(plan, runner=runner, allow_fallback=True)
+    assert allowed.status == "pass" and allowed.figures["fallback_ops"] == ["aten::nonzero"]
+
+
+def test_compile_smoke_fails_when_the_step_fails():
+    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.preflight import checks
+
+    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+    result = checks.check_compile_smoke(plan, runner=lambda command, env: 1)
+    assert result.status == "fail" and "exit code 1" in result.detail
+
+
+def test_compile_smoke_is_skipped_off_the_target_host():
+    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.preflight import checks
+
+    def never(command, env):
+        raise AssertionError("no step may run on a host that is not the target")
+
+    result = checks.check_compile_smoke(resolve_plan("qwen3_4b_native"), runner=never)
+    assert result.status == "skip" and "neuron" in result.detail
+
+
+def test_fallback_tags_reach_the_mlflow_run(neuron, tmp_path):
+    from mlflow import MlflowClient
+
+    from qwentitan.launch.neuron_runtime import report_fallback_ops
+    from qwentitan.launch.tracking import MLflowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = MLflowLogger.Config(tracking_uri=uri, recipe="tiny_dense", path="native").build(
+        run_dir=tmp_path / "run", config_dict={}, tags={"platform": "neuron"}, world_size=1
+    )
+    neuron(fallback=["aten::nonzero"])
+    report_fallback_ops(run)
+    run.close()
+    tags = MlflowClient(uri).get_run(run.writer.run_id).data.tags
+    assert tags["neuron.fallback_ops"] == "aten::nonzero"
+    assert tags["neuron.fallback_op_count"] == "1" and tags["platform"] == "neuron"
+
+
+@pytest.mark.slow
+def test_compile_smoke_trains_one_real_step_on_this_cpu_host():
+    """The whole route once: torchrun, our Trainer timing step 1 and writing its report."""
+    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.preflight import checks
+
+    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1, seq_len=64)
+    result = checks.check_compile_smoke(plan)
+    assert result.status == "pass", result.detail
+    assert 0 < result.figures["first_step_s"] <= result.figures["wall_s"]
+    assert result.figures["fallback_ops"] is None  # no TorchNeuron on CPU: no list, not []
+
+
+@pytest.mark.neuron
+def test_the_real_torchneuron_still_has_the_faked_shapes():
+    """On a Trainium host: the installed TorchNeuron against what the fake above assumes."""
+    real = pytest.importorskip("torch_neuronx")
+    stats = real.memory_stats(0)
+    assert isinstance(stats["allocated_bytes"], dict) and "peak" in stats["allocated_bytes"]
+    assert isinstance(real.get_fallback_ops(), (list, set, tuple))
+    assert get_platform("neuron").memory_stats().peak_bytes >= 0
+
+
+# finding 2, launch side: the platform choice must not depend on PyTorch's backend autoload
+
+
+def test_an_installed_torchneuron_is_found_with_autoload_off(tmp_path, monkeypatch):
+    """With TORCH_DEVICE_BACKEND_AUTOLOAD=0 nothing imports torch_neuronx, so torch.neuron is
+    missing until someone does; the platform layer must, or a trn2 host trains on its CPU."""
+    from qwentitan.launch.platforms import PLATFORM_ENV, current_platform
+
+    package = tmp_path / "torch_neuronx"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import types\nimport torch\n"
+        "torch.neuron = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 64)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch, "neuron", None, raising=False)  # undone: torch.neuron removed
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # undone: the import forgotten
+    monkeypatch.delitem(sys.modules, "torch_neuronx")
+    monkeypatch.delenv(PLATFORM_ENV, raising=False)
+    platform = current_platform()
+    assert (platform.name, platform.max_ranks) == ("neuron", 64)
+
+
+def test_preflight_cli_adds_the_smoke_on_request_and_names_a_core_range(monkeypatch, capsys):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-63")
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    main(["preflight", "--recipe", "qwen3_4b_native", "--compile-smoke", "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["compile_smoke"]["status"] == "skip"  # this host is no trn2
+    assert checks["lnc"]["status"] == "fail"
+    assert "NEURON_RT_VISIBLE_CORES=0-63" in checks["lnc"]["detail"]
+    main(["preflight", "--recipe", "qwen3_4b_native", "--json"])
+    assert "compile_smoke" not in {c["name"] for c in json.loads(capsys.readouterr().out)["checks"]}
