@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.qwen3 import (
@@ -18,7 +19,7 @@ from torchtitan.models.qwen3 import (
     _qwen3_norm,
 )
 
-from qwentitan.kernels import KernelError, ReplacementRule
+from qwentitan.kernels import KernelChoices, KernelError, ReplacementRule
 from qwentitan.modeling.kernel_path import (
     KernelCausalAttention,
     KernelGroupedExperts,
@@ -84,8 +85,11 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def _kernel_config(block_size=8):
-    return apply_kernel_replacements(tiny_qwen3_moe(), default_rules(block_size=block_size))
+ALL_NKI = KernelChoices(rope="nki", attention="nki", experts="nki")
+
+
+def _kernel_config(block_size=8, choices=ALL_NKI):
+    return apply_kernel_replacements(tiny_qwen3_moe(), default_rules(block_size, choices))
 
 
 def test_every_layer_gets_all_three_kernels_and_the_log_says_so(caplog):
@@ -100,8 +104,37 @@ def test_every_layer_gets_all_three_kernels_and_the_log_says_so(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert "nki_rope  layers.1.attention.rope" in lines
     assert "nki_attention  layers.0.attention.inner_attention" in lines
-    assert "nki_grouped_experts  layers.1.moe.routed_experts.inner_experts" in lines
+    assert "nki_experts  layers.1.moe.routed_experts.inner_experts" in lines
     assert len(lines) == 3 * LAYERS
+
+
+def test_by_default_attention_stays_torchtitans_and_rope_and_experts_use_nki(caplog, monkeypatch):
+    monkeypatch.delenv("QWENTITAN_KERNELS", raising=False)
+    with caplog.at_level(logging.INFO, logger="qwentitan.kernels"):
+        config = apply_kernel_replacements(tiny_qwen3_moe())
+    layer = config.layers[0]
+    assert type(layer.attention.inner_attention) is type(
+        tiny_qwen3_moe().layers[0].attention.inner_attention
+    )
+    assert layer.attention.rope.use_nki and layer.moe.routed_experts.inner_experts.use_nki
+    assert len(caplog.records) == 2 * LAYERS
+
+
+def test_a_kernel_switched_to_reference_is_replaced_without_nki_and_logged_per_module(
+    caplog, monkeypatch
+):
+    monkeypatch.setenv("QWENTITAN_KERNELS", "experts=reference")
+    with caplog.at_level(logging.INFO, logger="qwentitan.kernels"):
+        config = apply_kernel_replacements(tiny_qwen3_moe())
+    for layer in config.layers:
+        experts = layer.moe.routed_experts.inner_experts
+        assert isinstance(experts, KernelGroupedExperts.Config) and not experts.use_nki
+        assert layer.attention.rope.use_nki
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line for line in lines if line.startswith("reference_")] == [
+        f"reference_experts  layers.{i}.moe.routed_experts.inner_experts" for i in range(LAYERS)
+    ]
+    assert config.layers[0].moe.routed_experts.inner_experts.build().use_nki is False
 
 
 def test_a_dense_model_config_is_refused_for_the_experts_rule():
@@ -167,3 +200,30 @@ def test_replaced_model_compiles_fullgraph_and_agrees_with_eager():
     loss.backward()
     assert loss.item() == pytest.approx(eager.item(), rel=1e-5)
     assert model.layers["0"].moe.routed_experts.inner_experts.w1_EFD.grad is not None
+
+
+class _SwitchLog(TorchDispatchMode):
+    """Records (op, use_nki) of every qwentitan op call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "qwentitan":
+            # The dispatcher drops a trailing argument equal to its default (use_nki=True).
+            given = len(args) == len(func._schema.arguments)
+            self.calls.add((func.__name__.split(".")[0], args[-1] if given else True))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("choice", ["nki", "reference"])
+def test_every_kernel_module_hands_its_switch_to_the_ops_forward_and_backward(choice):
+    choices = KernelChoices(rope=choice, attention=choice, experts=choice)
+    model = _build(_kernel_config(choices=choices))
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    with _SwitchLog() as log:
+        _loss(model, tokens).backward()
+    ops = ("rope", "causal_attention", "grouped_experts")
+    want = {(op + suffix, choice == "nki") for op in ops for suffix in ("", "_backward")}
+    assert log.calls == want

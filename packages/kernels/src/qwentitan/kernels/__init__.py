@@ -3,8 +3,10 @@
 from importlib.metadata import version as _version
 
 from qwentitan.kernels.attention import causal_attention
+from qwentitan.kernels.choices import KERNEL_CHOICES_ENV, KernelChoices
 from qwentitan.kernels.errors import KernelError
 from qwentitan.kernels.experts import block_routing, grouped_experts, num_blocks
+from qwentitan.kernels.nki_loader import MIN_NKI_LIBRARY, import_torch_neuronx
 from qwentitan.kernels.numerics import NumericsReport, numerics_report
 from qwentitan.kernels.registry import ReplacementRule, apply_replacements, config_paths
 from qwentitan.kernels.rope import rope
@@ -12,6 +14,9 @@ from qwentitan.kernels.rope import rope
 __version__ = _version("qwentitan-kernels")
 
 __all__ = [
+    "KERNEL_CHOICES_ENV",
+    "MIN_NKI_LIBRARY",
+    "KernelChoices",
     "KernelError",
     "NumericsReport",
     "ReplacementRule",
@@ -21,6 +26,7 @@ __all__ = [
     "causal_attention",
     "config_paths",
     "grouped_experts",
+    "import_torch_neuronx",
     "num_blocks",
     "numerics_report",
     "rope",

@@ -162,7 +162,9 @@ def causal_attention_nki(q, k, v, scale):
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     lnc = nki_loader.logical_core_count()
-    out, neg_max, sum_recip = nki_loader.load_kernel("attention_cte")[lnc](
+    out, neg_max, sum_recip = nki_loader.launch(
+        "attention_cte",
+        lnc,
         q=q.transpose(1, 2).reshape(batch * heads, seq, head_dim),  # tp_q=True: (BH, S, d)
         k=k.permute(0, 2, 3, 1).reshape(batch * kv_heads, head_dim, seq),  # tp_k=False: (BH, d, S)
         v=v.transpose(1, 2).reshape(batch * kv_heads, seq, head_dim),
@@ -192,7 +194,9 @@ def causal_attention_backward_nki(grad_out, q, k, v, out, lse, scale):
         return x.permute(0, 2, 3, 1).contiguous()
 
     lse_tiles = lse.to(torch.float32).reshape(batch, heads, seq // 128, 128).transpose(-1, -2)
-    dq, dk, dv = nki_loader.load_kernel("attention_bwd")[lnc](
+    dq, dk, dv = nki_loader.launch(
+        "attention_bwd",
+        lnc,
         q_ref=d_major(q),
         k_ref=d_major(k),
         v_ref=d_major(v),
@@ -212,7 +216,7 @@ def causal_attention_backward_nki(grad_out, q, k, v, out, lse, scale):
 
 @torch.library.custom_op("qwentitan::causal_attention", mutates_args=())
 def causal_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, use_nki: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return causal_attention_reference(q, k, v, scale)
 
@@ -226,12 +230,13 @@ def causal_attention_backward_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
+    use_nki: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return causal_attention_backward_reference(grad_out, q, k, v, out, lse, scale)
 
 
 @causal_attention_op.register_fake
-def _(q, k, v, scale):
+def _(q, k, v, scale, use_nki=True):
     _check(q, k, v)
     batch, seq, heads, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
@@ -240,35 +245,47 @@ def _(q, k, v, scale):
 
 
 @causal_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, scale):
+def _(grad_out, q, k, v, out, lse, scale, use_nki=True):
     _check(q, k, v)
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale = inputs
+    q, k, v, scale, use_nki = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.scale = scale
+    ctx.scale, ctx.use_nki = scale, use_nki
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.qwentitan.causal_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, ctx.scale
+        grad_out.contiguous(), q, k, v, out, lse, ctx.scale, ctx.use_nki
     )
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 causal_attention_op.register_autograd(_backward, setup_context=_setup_context)
-register_neuron_impl("causal_attention", causal_attention_nki)
-register_neuron_impl("causal_attention_backward", causal_attention_backward_nki)
+register_neuron_impl("causal_attention", causal_attention_nki, causal_attention_reference)
+register_neuron_impl(
+    "causal_attention_backward",
+    causal_attention_backward_nki,
+    causal_attention_backward_reference,
+)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    *,
+    use_nki: bool = True,
 ) -> torch.Tensor:
-    """Causal GQA over (batch, seq, heads, head_dim) tensors; scale defaults to 1/sqrt(head_dim)."""
+    """Causal GQA over (batch, seq, heads, head_dim) tensors; scale defaults to 1/sqrt(head_dim).
+
+    `use_nki=False` runs the reference twin on a neuron device too (the fallback switch).
+    """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return torch.ops.qwentitan.causal_attention(q, k, v, scale)[0]
+    return torch.ops.qwentitan.causal_attention(q, k, v, scale, use_nki)[0]

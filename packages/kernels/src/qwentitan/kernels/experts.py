@@ -262,7 +262,9 @@ def grouped_experts_nki(
     padded, flat_aff, ids, experts = _nki_inputs(
         hidden, affinities, token_position_to_id, block_to_expert
     )
-    out, gate_up_act, down_act = nki_loader.load_kernel("moe_blockwise_fwd")[lnc](
+    out, gate_up_act, down_act = nki_loader.launch(
+        "moe_blockwise_fwd",
+        lnc,
         hidden_states=padded,
         expert_affinities_masked=flat_aff,
         gate_up_proj_weight=gate_up.contiguous(),
@@ -294,7 +296,9 @@ def grouped_experts_backward_nki(
     )
     tokens = hidden.shape[0]
     grad_padded = torch.cat([grad_out, grad_out.new_zeros(1, grad_out.shape[1])])
-    grads = nki_loader.load_kernel("moe_blockwise_bwd")[lnc](
+    grads = nki_loader.launch(
+        "moe_blockwise_bwd",
+        lnc,
         hidden_states=padded,
         expert_affinities_masked=flat_aff,
         gate_up_proj_weight=gate_up.contiguous(),
@@ -323,6 +327,7 @@ def grouped_experts_op(
     token_position_to_id: torch.Tensor,
     block_to_expert: torch.Tensor,
     block_size: int,
+    use_nki: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return grouped_experts_reference(
         hidden_states,
@@ -347,6 +352,7 @@ def grouped_experts_backward_op(
     token_position_to_id: torch.Tensor,
     block_to_expert: torch.Tensor,
     block_size: int,
+    use_nki: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return grouped_experts_backward_reference(
         grad_out,
@@ -363,7 +369,16 @@ def grouped_experts_backward_op(
 
 
 @grouped_experts_op.register_fake
-def _(hidden, affinities, gate_up, down, token_position_to_id, block_to_expert, block_size):
+def _(
+    hidden,
+    affinities,
+    gate_up,
+    down,
+    token_position_to_id,
+    block_to_expert,
+    block_size,
+    use_nki=True,
+):
     _check(hidden, affinities, gate_up, down, token_position_to_id, block_to_expert, block_size)
     n, inter = block_to_expert.shape[0], gate_up.shape[3]
     return (
@@ -374,16 +389,28 @@ def _(hidden, affinities, gate_up, down, token_position_to_id, block_to_expert, 
 
 
 @grouped_experts_backward_op.register_fake
-def _(grad_out, hidden, affinities, gate_up, down, gu_act, down_act, tpid, b2e, block_size):
+def _(
+    grad_out,
+    hidden,
+    affinities,
+    gate_up,
+    down,
+    gu_act,
+    down_act,
+    tpid,
+    b2e,
+    block_size,
+    use_nki=True,
+):
     _check(hidden, affinities, gate_up, down, tpid, b2e, block_size)
     return tuple(x.new_empty(x.shape) for x in (hidden, affinities, gate_up, down))
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, affinities, gate_up, down, tpid, b2e, block_size = inputs
+    hidden, affinities, gate_up, down, tpid, b2e, block_size, use_nki = inputs
     _, gate_up_act, down_act = output
     ctx.save_for_backward(hidden, affinities, gate_up, down, gate_up_act, down_act, tpid, b2e)
-    ctx.block_size = block_size
+    ctx.block_size, ctx.use_nki = block_size, use_nki
     ctx.mark_non_differentiable(gate_up_act, down_act)
 
 
@@ -400,13 +427,16 @@ def _backward(ctx, grad_out, _grad_gate_up_act, _grad_down_act):
         tpid,
         b2e,
         ctx.block_size,
+        ctx.use_nki,
     )
-    return (*grads, None, None, None)
+    return (*grads, None, None, None, None)
 
 
 grouped_experts_op.register_autograd(_backward, setup_context=_setup_context)
-register_neuron_impl("grouped_experts", grouped_experts_nki)
-register_neuron_impl("grouped_experts_backward", grouped_experts_backward_nki)
+register_neuron_impl("grouped_experts", grouped_experts_nki, grouped_experts_reference)
+register_neuron_impl(
+    "grouped_experts_backward", grouped_experts_backward_nki, grouped_experts_backward_reference
+)
 
 
 def grouped_experts(
@@ -417,8 +447,13 @@ def grouped_experts(
     token_position_to_id: torch.Tensor,
     block_to_expert: torch.Tensor,
     block_size: int,
+    *,
+    use_nki: bool = True,
 ) -> torch.Tensor:
-    """SwiGLU experts over (tokens, hidden) with block routing; returns (tokens, hidden)."""
+    """SwiGLU experts over (tokens, hidden) with block routing; returns (tokens, hidden).
+
+    `use_nki=False` runs the reference twin on a neuron device too (the fallback switch).
+    """
     return torch.ops.qwentitan.grouped_experts(
         hidden_states,
         expert_affinities,
@@ -427,4 +462,5 @@ def grouped_experts(
         token_position_to_id,
         block_to_expert,
         block_size,
+        use_nki,
     )[0]

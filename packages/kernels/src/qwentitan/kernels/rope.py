@@ -95,8 +95,9 @@ def rope_nki(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, b
     k_bhsd = key.transpose(1, 2).contiguous()
     q_out = torch.empty_like(q_bhsd)
     k_out = torch.empty_like(k_bhsd)
-    kernel = nki_loader.load_kernel("rope_hf")
-    q_out, k_out = kernel[lnc](
+    q_out, k_out = nki_loader.launch(
+        "rope_hf",
+        lnc,
         q=q_bhsd,
         k=k_bhsd,
         q_out=q_out,
@@ -109,20 +110,20 @@ def rope_nki(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, b
 
 @torch.library.custom_op("qwentitan::rope", mutates_args=())
 def rope_op(
-    query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, use_nki: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_reference(query, key, rope_cache)
 
 
 @torch.library.custom_op("qwentitan::rope_backward", mutates_args=())
 def rope_backward_op(
-    grad_query: torch.Tensor, grad_key: torch.Tensor, rope_cache: torch.Tensor
+    grad_query: torch.Tensor, grad_key: torch.Tensor, rope_cache: torch.Tensor, use_nki: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_backward_reference(grad_query, grad_key, rope_cache)
 
 
 @rope_op.register_fake
-def _(query, key, rope_cache):
+def _(query, key, rope_cache, use_nki=True):
     _check(query, key, rope_cache)
     return torch.empty(query.shape, dtype=query.dtype, device=query.device), torch.empty(
         key.shape, dtype=key.dtype, device=key.device
@@ -130,7 +131,7 @@ def _(query, key, rope_cache):
 
 
 @rope_backward_op.register_fake
-def _(grad_query, grad_key, rope_cache):
+def _(grad_query, grad_key, rope_cache, use_nki=True):
     _check(grad_query, grad_key, rope_cache)
     return torch.empty(
         grad_query.shape, dtype=grad_query.dtype, device=grad_query.device
@@ -139,29 +140,39 @@ def _(grad_query, grad_key, rope_cache):
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[2])
+    ctx.use_nki = inputs[3]
 
 
 def _backward(ctx, grad_q, grad_k):
     (rope_cache,) = ctx.saved_tensors
-    dq, dk = torch.ops.qwentitan.rope_backward(grad_q, grad_k, rope_cache)
-    return dq, dk, None
+    dq, dk = torch.ops.qwentitan.rope_backward(grad_q, grad_k, rope_cache, ctx.use_nki)
+    return dq, dk, None, None
 
 
 def _backward_of_backward(ctx, grad_dq, grad_dk):
     # The backward is linear in its inputs: its gradient is the forward rotation.
     (rope_cache,) = ctx.saved_tensors
-    q, k = torch.ops.qwentitan.rope(grad_dq, grad_dk, rope_cache)
-    return q, k, None
+    q, k = torch.ops.qwentitan.rope(grad_dq, grad_dk, rope_cache, ctx.use_nki)
+    return q, k, None, None
 
 
 rope_op.register_autograd(_backward, setup_context=_setup_context)
 rope_backward_op.register_autograd(_backward_of_backward, setup_context=_setup_context)
-register_neuron_impl("rope", lambda q, k, cache: rope_nki(q, k, cache, backward=False))
-register_neuron_impl("rope_backward", lambda dq, dk, cache: rope_nki(dq, dk, cache, backward=True))
+register_neuron_impl(
+    "rope", lambda q, k, cache: rope_nki(q, k, cache, backward=False), rope_reference
+)
+register_neuron_impl(
+    "rope_backward",
+    lambda dq, dk, cache: rope_nki(dq, dk, cache, backward=True),
+    rope_backward_reference,
+)
 
 
 def rope(
-    query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, *, use_nki: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate (batch, seq, heads, head_dim) query and key with a (max_seq_len, 2 * head_dim) cache."""
-    return torch.ops.qwentitan.rope(query, key, rope_cache)
+    """Rotate (batch, seq, heads, head_dim) query and key with a (max_seq_len, 2 * head_dim) cache.
+
+    `use_nki=False` runs the reference twin on a neuron device too (the fallback switch).
+    """
+    return torch.ops.qwentitan.rope(query, key, rope_cache, use_nki)

@@ -5,6 +5,11 @@ Three torchtitan modules get a subclass whose forward calls a `qwentitan::` op (
 stay torchtitan's, so checkpoints and the HF adapter are unchanged. `apply_kernel_replacements`
 swaps them into a Qwen3 model config by module path before the model is built.
 
+Which modules are swapped, and whether each runs its NKI kernel or falls back to the reference
+twin on neuron (`use_nki` of each Config), follows `qwentitan.kernels.KernelChoices`: by default
+RoPE and the experts use NKI and attention stays torchtitan's (TorchNeuron already runs SDPA on
+NKI flash kernels); `QWENTITAN_KERNELS=experts=reference` switches one kernel to its twin.
+
 Semantics that differ from torchtitan's defaults, because the NKI kernels work this way:
 - attention is causal over the whole row (attention_cte has no document mask), and RoPE uses
   positions 0..seq-1 (rope_hf is gather-free), so per-document `positions` are not used: a
@@ -62,7 +67,11 @@ class KernelRoPE(CosSinRoPE):
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(CosSinRoPE.Config):
-        pass
+        use_nki: bool = True  # False: the reference twin also on neuron (fallback switch)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.use_nki = config.use_nki
 
     def forward(
         self,
@@ -72,7 +81,7 @@ class KernelRoPE(CosSinRoPE):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions are not used: rope_hf is gather-free (positions 0..seq-1), matching the
         # whole-row causal kernel attention; see the module docstring.
-        return torch.ops.qwentitan.rope(query, key, self.cache)
+        return torch.ops.qwentitan.rope(query, key, self.cache, self.use_nki)
 
 
 class KernelCausalAttention(ScaledDotProductAttention):
@@ -80,7 +89,11 @@ class KernelCausalAttention(ScaledDotProductAttention):
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(ScaledDotProductAttention.Config):
-        pass
+        use_nki: bool = True  # False: the reference twin also on neuron (fallback switch)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.use_nki = config.use_nki
 
     def forward(
         self,
@@ -100,7 +113,7 @@ class KernelCausalAttention(ScaledDotProductAttention):
                 "masks; build the model with apply_kernel_replacements and call it without masks."
             )
         scale = q_BLNH.shape[-1] ** -0.5 if scale is None else scale
-        return torch.ops.qwentitan.causal_attention(q_BLNH, k_BLNH, v_BLNH, scale)[0]
+        return torch.ops.qwentitan.causal_attention(q_BLNH, k_BLNH, v_BLNH, scale, self.use_nki)[0]
 
 
 class KernelGroupedExperts(GroupedExperts):
@@ -116,11 +129,13 @@ class KernelGroupedExperts(GroupedExperts):
         # None: the input's dtype, as the NKI kernel computes. torchtitan's GroupedExperts always
         # casts to bfloat16 (a CUDA grouped_mm limit); set torch.bfloat16 to reproduce that.
         compute_dtype: torch.dtype | None = None
+        use_nki: bool = True  # False: the reference twin also on neuron (fallback switch)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.block_size = config.block_size
         self.compute_dtype = config.compute_dtype
+        self.use_nki = config.use_nki
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         kernels = _kernels()
@@ -150,55 +165,79 @@ class KernelGroupedExperts(GroupedExperts):
             token_position_to_id,
             block_to_expert,
             self.block_size,
+            use_nki=self.use_nki,
         )
         return out.type_as(x_RD)
 
 
-def _replace_rope(config: Any) -> KernelRoPE.Config:
+def _replace_rope(config: Any, use_nki: bool = True) -> KernelRoPE.Config:
     if not isinstance(config, CosSinRoPE.Config):
         raise _kernels().KernelError(
-            f"nki_rope replaces cos/sin RoPE (rotate-half, as Qwen3 uses), got "
+            f"the kernel rope replaces cos/sin RoPE (rotate-half, as Qwen3 uses), got "
             f"{type(config).__qualname__}; point the rule at a CosSinRoPE config."
         )
-    return KernelRoPE.Config(**_fields(config))
+    return KernelRoPE.Config(**_fields(config), use_nki=use_nki)
 
 
-def _replace_attention(config: Any) -> KernelCausalAttention.Config:
+def _replace_attention(config: Any, use_nki: bool = True) -> KernelCausalAttention.Config:
     return KernelCausalAttention.Config(
-        param_init=config.param_init, sharding_config=config.sharding_config
+        param_init=config.param_init, sharding_config=config.sharding_config, use_nki=use_nki
     )
 
 
-def _replace_experts(config: Any, block_size: int = 256) -> KernelGroupedExperts.Config:
+def _replace_experts(
+    config: Any, block_size: int = 256, use_nki: bool = True
+) -> KernelGroupedExperts.Config:
     if not isinstance(config, GroupedExperts.Config):
         raise _kernels().KernelError(
-            f"nki_grouped_experts replaces GroupedExperts, got {type(config).__qualname__}; "
+            f"the kernel experts replace GroupedExperts, got {type(config).__qualname__}; "
             "point the rule at moe.routed_experts.inner_experts."
         )
-    return KernelGroupedExperts.Config(**_fields(config), block_size=block_size)
+    return KernelGroupedExperts.Config(**_fields(config), block_size=block_size, use_nki=use_nki)
 
 
-def default_rules(block_size: int = 256) -> list:
-    """The three replacements of the moe-kernels path, for every layer."""
+_PATTERNS = {
+    "rope": "layers.*.attention.rope",
+    "attention": "layers.*.attention.inner_attention",
+    "experts": "layers.*.moe.routed_experts.inner_experts",
+}
+
+
+def default_rules(block_size: int = 256, choices: Any = None) -> list:
+    """The replacements of the moe-kernels path for every layer, as `choices` asks.
+
+    `choices` is a `qwentitan.kernels.KernelChoices`; None reads it from QWENTITAN_KERNELS
+    (defaults: NKI RoPE and experts, torchtitan's attention). A kernel chosen `reference` is
+    still replaced, with `use_nki=False`; each replaced module is logged as
+    `nki_<kernel>  <path>` or `reference_<kernel>  <path>`.
+    """
     kernels = _kernels()
-    return [
-        kernels.ReplacementRule("layers.*.attention.rope", _replace_rope, "nki_rope"),
-        kernels.ReplacementRule(
-            "layers.*.attention.inner_attention", _replace_attention, "nki_attention"
-        ),
-        kernels.ReplacementRule(
-            "layers.*.moe.routed_experts.inner_experts",
-            lambda config: _replace_experts(config, block_size),
-            "nki_grouped_experts",
-        ),
-    ]
+    choices = kernels.KernelChoices.from_env() if choices is None else choices
+    replace = {
+        "rope": _replace_rope,
+        "attention": _replace_attention,
+        "experts": lambda config, use_nki: _replace_experts(config, block_size, use_nki),
+    }
+    rules = []
+    for kernel, choice in choices.items():
+        if choice == "torchtitan":
+            continue
+        use_nki = choice == "nki"
+        rules.append(
+            kernels.ReplacementRule(
+                _PATTERNS[kernel],
+                lambda config, fn=replace[kernel], use_nki=use_nki: fn(config, use_nki),
+                f"{choice}_{kernel}",
+            )
+        )
+    return rules
 
 
 def apply_kernel_replacements(model_config: Any, rules: Sequence | None = None) -> Any:
     """A new torchtitan Qwen3 model config with the kernel modules swapped in (input untouched).
 
-    `rules` defaults to `default_rules()`: RoPE, inner attention and grouped experts of every
-    layer. Logs one line per replaced module; a rule that matches nothing raises.
+    `rules` defaults to `default_rules()`, which follows QWENTITAN_KERNELS. Logs one line per
+    replaced module; a rule that matches nothing raises.
     """
     kernels = _kernels()
     return kernels.apply_replacements(model_config, default_rules() if rules is None else rules)

@@ -1,0 +1,50 @@
+"""Fakes of the Neuron packages, installed in `sys.modules` so the real loader code runs.
+
+`install(monkeypatch, version)` puts a fake `nki`, `torch_neuronx` (its `wrap_nki` only) and
+an nki-library of `version` in `sys.modules` for one test; see each module for the public
+source it was written from. Kernel tests import nothing else of the Neuron SDK.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from . import nki, nkilib, torch_neuronx
+
+VERSIONS = (*nkilib.SHARD_OPTIONS, "2.27")
+
+
+def install(monkeypatch: pytest.MonkeyPatch, version: str = "2.29") -> dict[str, nki.JitKernel]:
+    """Install the fakes; returns {kernel name: fake jit kernel} to inspect its calls.
+
+    "2.27" has attention_cte only: rope_hf, attention_bwd and the MoE kernels arrived in
+    nki-library 2.28 (compare the release branches 2.27 and 2.28 of aws-neuron/nki-library).
+    """
+    library = nkilib.build("2.29" if version == "2.27" else version)
+    if version == "2.27":
+        library = {k: v for k, v in library.items() if k.endswith("attention_cte")}
+    modules: dict[str, types.ModuleType] = {}
+    for path, names in library.items():
+        parts = path.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if name not in modules:
+                modules[name] = types.ModuleType(name)
+                if i > 1:
+                    setattr(modules[".".join(parts[: i - 1])], parts[i - 1], modules[name])
+        vars(modules[path]).update(vars(names))
+    for name in [m for m in sys.modules if m.split(".")[0] in ("nki", "nkilib", "torch_neuronx")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "nki", nki)
+    monkeypatch.setitem(sys.modules, "torch_neuronx", torch_neuronx)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return {
+        name: value
+        for names in library.values()
+        for name, value in vars(names).items()
+        if isinstance(value, nki.JitKernel)
+    }
