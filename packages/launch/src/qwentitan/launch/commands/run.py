@@ -8,6 +8,7 @@ import sys
 
 from qwentitan.launch.environment import merged_env
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.flags import non_negative
 from qwentitan.launch.plan import LaunchPlan
 from qwentitan.launch.plan_cli import add_plan_arguments, describe, plan_from_args
 from qwentitan.launch.preemption import supervise
@@ -23,14 +24,16 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (0..N-1)")
+    parser.add_argument(
+        "--node-rank", type=non_negative, default=0, help="this node's rank (0..N-1)"
+    )
     parser.add_argument(
         "--rdzv-endpoint",
         help="HOST:PORT of the c10d rendezvous, on the first node (default localhost:0, one node)",
     )
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=non_negative,
         default=0,
         help="torchrun restarts of the whole group after a rank fails; each resumes from the "
         "last checkpoint",

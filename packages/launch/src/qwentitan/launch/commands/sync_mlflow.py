@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from qwentitan.launch.flags import one_line_errors
+
 NAME = "sync-mlflow"
 HELP = (
     "Replay the MLflow spool of a training run folder into MLflow (after the server was slow or "
@@ -12,6 +14,7 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    one_line_errors(parser)
     parser.add_argument(
         "run_dir", metavar="RUN_DIR", help="the run's dump_folder, or one spool .jsonl file in it"
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from qwentitan.launch.data import check_tokenizer_folder, resolve_dataset
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.flags import one_line_errors, positive
 from qwentitan.launch.platforms import PLATFORM_ENV, Platform, current_platform
 from qwentitan.launch.recipes import get_recipe, recipe_names
 
@@ -32,18 +33,23 @@ _STEP_FOLDER = re.compile(r"step-(\d+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    one_line_errors(parser)
     parser.add_argument(
         "--recipe", default="tiny_dense", help=f"one of {', '.join(recipe_names())}"
     )
-    parser.add_argument("--steps", type=int, help="total steps to reach (default: the recipe's)")
     parser.add_argument(
-        "--ranks", type=int, help="processes (default: 2, or fewer if the host holds fewer)"
+        "--steps", type=positive, help="total steps to reach (default: the recipe's)"
+    )
+    parser.add_argument(
+        "--ranks", type=positive, help="processes (default: 2, or fewer if the host holds fewer)"
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the run folder's last checkpoint"
     )
-    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the recipe's)")
-    parser.add_argument("--local-batch-size", type=int, help="samples per rank per step")
+    parser.add_argument(
+        "--seq-len", type=positive, help="tokens per sample (default: the recipe's)"
+    )
+    parser.add_argument("--local-batch-size", type=positive, help="samples per rank per step")
     parser.add_argument(
         "--dataset", help="`offline`, a c4-style JSON-lines file or folder, or a Hub dataset name"
     )
@@ -54,10 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--run-dir", type=Path, help="where checkpoints and logs go (default: ./outputs/RECIPE)"
     )
     parser.add_argument(
-        "--stop-after", type=int, help="stop after this step with a checkpoint (resume later)"
+        "--stop-after", type=positive, help="stop after this step with a checkpoint (resume later)"
     )
     parser.add_argument(
-        "--validate-every", type=int, help="validation loss every N steps (default: the recipe's)"
+        "--validate-every",
+        type=positive,
+        help="validation loss every N steps (default: the recipe's)",
     )
 
 
@@ -70,16 +78,12 @@ def run(args: argparse.Namespace) -> int:
 
     steps = args.steps if args.steps is not None else config.training.steps
     seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
-    if steps < 1:
-        raise LaunchError(f"--steps {steps} is not a positive number; pass --steps 1 or more.")
-    if args.stop_after is not None and not 0 < args.stop_after < steps:
+    if args.stop_after is not None and args.stop_after >= steps:
         raise LaunchError(
-            f"--stop-after {args.stop_after} is not between 1 and --steps {steps} (exclusive); "
-            "pass a step inside the run."
+            f"--stop-after {args.stop_after} is not before the last step {steps}; pass "
+            f"--stop-after {steps - 1} or less, or raise --steps."
         )
     platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
-    if args.local_batch_size is not None and args.local_batch_size < 1:
-        raise LaunchError("--local-batch-size must be 1 or more.")
     if args.dataset is not None:
         resolve_dataset(args.dataset)
     if args.tokenizer is not None:

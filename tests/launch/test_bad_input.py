@@ -1,0 +1,88 @@
+"""Bad input is refused in one sentence with exit code 2 before any rank starts, writing nothing.
+
+Every case runs `qwentitan-launch` in this process (no torchrun): numeric flags out of range in
+plan, train, run and slurm; damaged dataset files; checkpoints `train --resume` cannot use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from qwentitan.launch import cli
+
+
+def refusal(capsys, argv: list[str]) -> str:
+    """Run the CLI, check exit code 2 and a one-line stderr; return that line without its prefix."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own refusals exit from parse_args
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in out + err and "usage:" not in err
+    line = err.strip()
+    prefix = f"qwentitan-launch {argv[0]}: "
+    assert line.startswith(prefix) and "\n" not in line, err
+    return line.removeprefix(prefix)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run in an empty folder, so that anything a refused command wrote would show up here."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+NUMERIC = [
+    (["plan", "--recipe", "tiny_dense", "--seq-len", "0"], "--seq-len: 0 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--seq-len", "-256"], "--seq-len: -256 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--steps", "0"], "--steps: 0 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--local-batch-size", "0"], "--local-batch-size: 0 is"),
+    (["plan", "--recipe", "tiny_dense", "--global-batch-size", "0"], "--global-batch-size: 0"),
+    (["plan", "--recipe", "tiny_dense", "--nodes", "0"], "--nodes/--nnodes: 0 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--tp", "-1"], "--tp: -1 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--checkpoint-interval", "0"], "--checkpoint-interval"),
+    (["plan", "--recipe", "tiny_dense", "--seq-len", "1e3"], "'1e3' is not a whole number"),
+    (["train", "--steps", "0"], "--steps: 0 is out of range"),
+    (["train", "--validate-every", "0"], "--validate-every: 0 is out of range"),
+    (["train", "--local-batch-size", "0"], "--local-batch-size: 0 is out of range"),
+    (["train", "--seq-len", "-256"], "--seq-len: -256 is out of range"),
+    (["train", "--ranks", "0"], "--ranks: 0 is out of range"),
+    (["train", "--stop-after", "0"], "--stop-after: 0 is out of range"),
+    (["run", "--recipe", "tiny_dense", "--node-rank", "-1"], "--node-rank: -1 is out of range"),
+    (["run", "--recipe", "tiny_dense", "--max-restarts", "-2"], "--max-restarts: -2 is out"),
+    (["slurm", "--recipe", "tiny_dense", "--port", "99999"], "--port: 99999 is out of range"),
+    (["slurm", "--recipe", "tiny_dense", "--port", "0"], "--port: 0 is out of range"),
+    (["slurm", "--recipe", "tiny_dense", "--grace-seconds", "-5"], "--grace-seconds: -5 is"),
+    (["slurm", "--recipe", "tiny_dense", "--nodes", "-4"], "--nodes/--nnodes: -4 is out"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), NUMERIC, ids=[" ".join(a) for a, _ in NUMERIC])
+def test_numeric_flags_out_of_range(capsys, in_tmp, argv, expected):
+    message = refusal(capsys, argv)
+    assert message.startswith("argument ") and expected in message
+    assert message.endswith(("pass a whole number of 1 or more.", "or more.", "65535."))
+    assert os.listdir(in_tmp) == []  # no plan, script, run folder or checkpoint
+
+
+def test_the_range_names_a_value_that_works(capsys, in_tmp):
+    message = refusal(capsys, ["slurm", "--recipe", "tiny_dense", "--port", "70000"])
+    assert message == "argument --port: 70000 is out of range; pass a whole number from 1 to 65535."
+    message = refusal(capsys, ["train", "--steps", "0"])
+    assert message == "argument --steps: 0 is out of range; pass a whole number of 1 or more."
+
+
+def test_usage_errors_are_one_line_too(capsys, in_tmp):
+    message = refusal(capsys, ["plan", "--seq-len", "256"])
+    assert message == (
+        "the following arguments are required: --recipe; see qwentitan-launch plan --help."
+    )
+
+
+def test_stop_after_must_come_before_the_last_step(capsys, in_tmp):
+    message = refusal(capsys, ["train", "--steps", "3", "--stop-after", "3"])
+    assert message.startswith("--stop-after 3 is not before the last step 3; pass --stop-after 2")
+    assert os.listdir(in_tmp) == []
