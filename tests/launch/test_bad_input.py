@@ -6,11 +6,14 @@ plan, train, run and slurm; damaged dataset files; checkpoints `train --resume` 
 
 from __future__ import annotations
 
+import gzip
 import os
+from pathlib import Path
 
 import pytest
 
 from qwentitan.launch import cli
+from qwentitan.launch.data import check_json_lines
 
 
 def refusal(capsys, argv: list[str]) -> str:
@@ -86,3 +89,62 @@ def test_stop_after_must_come_before_the_last_step(capsys, in_tmp):
     message = refusal(capsys, ["train", "--steps", "3", "--stop-after", "3"])
     assert message.startswith("--stop-after 3 is not before the last step 3; pass --stop-after 2")
     assert os.listdir(in_tmp) == []
+
+
+GOOD = '{"text": "a document"}\n'
+
+
+def damaged(tmp_path: Path, name: str, content: bytes) -> Path:
+    path = tmp_path / "data" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "words"),
+    [
+        (
+            (GOOD * 2 + '{"text": "cut off\n' + GOOD).encode(),
+            3,
+            "is not JSON (Unterminated string starting at column 10)",
+        ),
+        ((GOOD + '{"content": "no text"}\n').encode(), 2, "has no `text` string"),
+        ((GOOD * 3 + '{"text": 42}\n').encode(), 4, "has no `text` string"),
+        ((GOOD + "[1, 2]\n").encode(), 2, "has no `text` string"),
+        (GOOD.encode() * 4 + '{"text": "caf\xe9"}\n'.encode("latin-1"), 5, "is not UTF-8 (byte 14"),
+    ],
+    ids=["broken-json", "no-text", "text-not-a-string", "not-an-object", "latin-1"],
+)
+def test_a_bad_dataset_line_is_named_by_file_and_line(capsys, in_tmp, content, line, words):
+    data = damaged(in_tmp, "train.jsonl", content)
+    message = refusal(capsys, ["train", "--dataset", str(data)])
+    assert message.startswith(f"Dataset file {data} line {line} {words}")
+    assert message.endswith('write one {"text": ...} object per line (c4 style), UTF-8.')
+    assert data.read_bytes() == content  # input is never modified
+    assert os.listdir(in_tmp) == ["data"]  # no run folder: refused before anything was written
+
+
+def test_every_file_of_a_dataset_folder_is_checked(capsys, in_tmp):
+    damaged(in_tmp, "a.jsonl", GOOD.encode() * 3)
+    bad = damaged(in_tmp, "b.jsonl.gz", gzip.compress((GOOD + "{oops\n").encode()))
+    message = refusal(capsys, ["train", "--dataset", str(in_tmp / "data")])
+    assert message.startswith(f"Dataset file {bad} line 2 is not JSON")
+
+
+def test_an_empty_or_unreadable_dataset_file(capsys, in_tmp):
+    empty = damaged(in_tmp, "empty.jsonl", b"\n\n")
+    assert refusal(capsys, ["train", "--dataset", str(empty)]).startswith(
+        f"Dataset file {empty} holds no documents;"
+    )
+    truncated = damaged(in_tmp, "cut.jsonl.gz", gzip.compress(GOOD.encode() * 100)[:-12])
+    assert refusal(capsys, ["train", "--dataset", str(truncated)]).startswith(
+        f"Dataset file {truncated} cannot be read ("
+    )
+
+
+def test_a_good_dataset_passes_blank_lines_included(tmp_path):
+    data = damaged(tmp_path, "ok.jsonl", (GOOD * 3 + "\n" + '{"text": "é 字"}').encode())
+    assert check_json_lines(data) == 4
+    packed = damaged(tmp_path, "ok.jsonl.gz", gzip.compress(GOOD.encode() * 5))
+    assert check_json_lines(packed) == 5

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qwentitan.launch.data import check_tokenizer_folder, resolve_dataset
+from qwentitan.launch.data import OFFLINE, check_dataset, check_tokenizer_folder, resolve_dataset
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.flags import one_line_errors, positive
 from qwentitan.launch.platforms import PLATFORM_ENV, Platform, current_platform
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
             f"--stop-after {steps - 1} or less, or raise --steps."
         )
     platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
-    if args.dataset is not None:
-        resolve_dataset(args.dataset)
+    if args.dataset not in (None, OFFLINE):
+        check_dataset(resolve_dataset(args.dataset))
     if args.tokenizer is not None:
         check_tokenizer_folder(args.tokenizer)
 
