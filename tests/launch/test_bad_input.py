@@ -11,9 +11,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from qwentitan.launch import cli
 from qwentitan.launch.data import check_json_lines
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.plan import meta_model
+from qwentitan.launch.recipes import get_recipe
+from qwentitan.launch.resume import check_resumable
 
 
 def refusal(capsys, argv: list[str]) -> str:
@@ -148,3 +154,82 @@ def test_a_good_dataset_passes_blank_lines_included(tmp_path):
     assert check_json_lines(data) == 4
     packed = damaged(tmp_path, "ok.jsonl.gz", gzip.compress(GOOD.encode() * 5))
     assert check_json_lines(packed) == 5
+
+
+def save_checkpoint(step_dir: Path, state: dict[str, torch.Tensor]) -> Path:
+    """A DCP checkpoint as torchtitan lays it out (RUN/checkpoint/step-N), without training."""
+    dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
+    return step_dir
+
+
+def snapshot(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+SMALL = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(10)}
+
+
+def _missing_data(step: Path) -> str:
+    (step / "__0_0.distcp").unlink()
+    return f"{step / '__0_0.distcp'} is missing"
+
+
+def _truncated_data(step: Path) -> str:
+    data = step / "__0_0.distcp"
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    return f"{data} is truncated ({size // 2} of at least "
+
+
+def _truncated_metadata(step: Path) -> str:
+    metadata = step / ".metadata"
+    os.truncate(metadata, metadata.stat().st_size // 2)
+    return f"{metadata} is truncated or damaged ("
+
+
+@pytest.mark.parametrize("damage", [_missing_data, _truncated_data, _truncated_metadata])
+def test_a_damaged_checkpoint_is_named_before_resuming(capsys, in_tmp, damage):
+    step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-2", SMALL)
+    what = damage(step)
+    before = snapshot(in_tmp)
+    argv = ["train", "--resume", "--run-dir", str(in_tmp / "run"), "--steps", "5"]
+    message = refusal(capsys, argv)
+    assert message.startswith(f"The checkpoint to resume is damaged: {what}")
+    assert message.endswith("; start fresh without --resume.")
+    assert snapshot(in_tmp) == before  # nothing removed, nothing written
+
+
+def test_another_recipes_checkpoint_is_named(capsys, in_tmp):
+    moe = meta_model(get_recipe("tiny_moe")())
+    state = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in moe.state_dict().items()}
+    step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-3", state)
+    before = snapshot(in_tmp)
+    argv = ["train", "--recipe", "tiny_dense", "--resume", "--run-dir", str(in_tmp / "run")]
+    message = refusal(capsys, [*argv, "--steps", "5"])
+    assert message == (
+        f"{step} holds no tensor layers.0.feed_forward.w1.weight, so it is another model's "
+        "checkpoint; pass the --run-dir of a tiny_dense run, or another --run-dir to start fresh."
+    )
+    assert snapshot(in_tmp) == before
+
+
+def test_a_damaged_latest_checkpoint_points_at_the_newest_good_one(tmp_path):
+    folder = tmp_path / "checkpoint"
+    model = {name: tuple(t.shape) for name, t in SMALL.items()}
+    save_checkpoint(folder / "step-2", SMALL)
+    save_checkpoint(folder / "step-4", SMALL)
+    save_checkpoint(folder / "step-6", SMALL)
+    assert check_resumable(folder, model, "tiny_dense") == 6
+    _missing_data(folder / "step-6")
+    _truncated_data(folder / "step-4")
+    with pytest.raises(LaunchError) as info:
+        check_resumable(folder, model, "tiny_dense")
+    assert str(info.value).endswith(f"; move step-6 out of {folder} to resume from step-2.")
+    # The advice works: what torchtitan would then resume is step-2, whole.
+    (folder / "step-6").rename(tmp_path / "step-6")
+    with pytest.raises(LaunchError, match=r"step-4/__0_0\.distcp is truncated"):
+        check_resumable(folder, model, "tiny_dense")
+    (folder / "step-4").rename(tmp_path / "step-4")
+    assert check_resumable(folder, model, "tiny_dense") == 2
+    with pytest.raises(LaunchError, match=r"holds w as \[1000\], not \[999\]"):
+        check_resumable(folder, {"w": (999,)}, "tiny_dense")

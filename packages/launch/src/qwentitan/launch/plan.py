@@ -224,11 +224,15 @@ def _tyro_message(text: str) -> str:
     return " ".join(words).removeprefix("Error parsing Config: ")
 
 
-def model_shape(config: Any) -> ModelShape:
-    """Build the recipe's model on the meta device (no memory) and read its shape."""
+def meta_model(config: Any) -> torch.nn.Module:
+    """The recipe's model built on the meta device: shapes and dtypes, no memory."""
     with torch.device("meta"):
-        model = config.model_spec.model.build()
-    return ModelShape.of(model)
+        return config.model_spec.model.build()
+
+
+def model_shape(config: Any) -> ModelShape:
+    """The shape of the recipe's model, read from its meta-device build."""
+    return ModelShape.of(meta_model(config))
 
 
 def resolve_plan(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,16 +19,16 @@ from pathlib import Path
 from qwentitan.launch.data import OFFLINE, check_dataset, check_tokenizer_folder, resolve_dataset
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.flags import one_line_errors, positive
+from qwentitan.launch.plan import meta_model
 from qwentitan.launch.platforms import PLATFORM_ENV, Platform, current_platform
 from qwentitan.launch.recipes import get_recipe, recipe_names
+from qwentitan.launch.resume import check_resumable
 
 NAME = "train"
 HELP = (
     "Train a recipe on this machine (default: tiny_dense on 2 ranks, offline corpus, Qwen3 "
     "tokenizer, no download); --resume continues from the last checkpoint."
 )
-
-_STEP_FOLDER = re.compile(r"step-(\d+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +89,13 @@ def run(args: argparse.Namespace) -> int:
         check_tokenizer_folder(args.tokenizer)
 
     run_dir = (args.run_dir or Path("outputs") / args.recipe).resolve()
-    _prepare_checkpoints(run_dir / config.checkpoint.folder, resume=args.resume, steps=steps)
+    _prepare_checkpoints(
+        run_dir / config.checkpoint.folder,
+        resume=args.resume,
+        steps=steps,
+        recipe=args.recipe,
+        config=config,
+    )
 
     overrides = {
         "--dump_folder": str(run_dir),
@@ -136,22 +141,16 @@ def _max_positions(model: object) -> int:
     return model.max_seq_len
 
 
-def _prepare_checkpoints(folder: Path, *, resume: bool, steps: int) -> None:
-    saved = sorted(
-        int(m.group(1))
-        for p in (folder.iterdir() if folder.is_dir() else ())
-        if (m := _STEP_FOLDER.fullmatch(p.name)) and (p / ".metadata").exists()
-    )
+def _prepare_checkpoints(
+    folder: Path, *, resume: bool, steps: int, recipe: str, config: object
+) -> None:
     if resume:
-        if not saved:
+        model = {name: tuple(t.shape) for name, t in meta_model(config).state_dict().items()}
+        step = check_resumable(folder, model, recipe)
+        if step >= steps:
             raise LaunchError(
-                f"There is no checkpoint to resume in {folder}; run once without --resume first, "
-                "or pass the --run-dir of an earlier run."
-            )
-        if saved[-1] >= steps:
-            raise LaunchError(
-                f"The checkpoint in {folder} is already at step {saved[-1]}; pass --steps "
-                f"{saved[-1] + 1} or more to continue."
+                f"The checkpoint in {folder} is already at step {step}; pass --steps "
+                f"{step + 1} or more to continue."
             )
     elif folder.exists():
         # A fresh run: torchtitan would otherwise load the newest checkpoint it finds there.
