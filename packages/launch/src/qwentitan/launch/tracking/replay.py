@@ -43,7 +43,9 @@ def sync_run_dir(
         loaded = load_spool(spool)
         records = loaded.records
         base = spool.parent.parent if spool.parent.name == SPOOL_FOLDER else spool.parent
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or records[0]["tracking_uri"]
+        uri = (
+            tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or records[0].get("tracking_uri")
+        )
         uri = resolve_tracking_uri(uri)
         if number == len(spools) - 1:
             records = records + _late_reports(records, base)
