@@ -1,8 +1,9 @@
 """`qwentitan-launch train`: train a recipe on this machine, one torchrun process per rank.
 
 Everything a user can get wrong is checked here, before any process starts, and refused in
-one sentence (exit 2): the recipe, the ranks this host holds, the sequence length, the dataset
-and tokenizer paths, and whether there is a checkpoint to resume. The ranks then run
+one sentence (exit 2): the numbers (by argparse), the recipe, the ranks this host holds, the
+sequence length, every line of a local dataset, the tokenizer folder, and under `--resume` the
+checkpoint torchtitan would load (whole, and of this recipe's model). The ranks then run
 torchtitan's own entry point, `torchtitan.train --module qwentitan.launch.recipes --config R`,
 with the choices made here passed as torchtitan overrides.
 """
