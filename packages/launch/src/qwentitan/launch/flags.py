@@ -12,7 +12,8 @@ import argparse
 from collections.abc import Callable
 from typing import NoReturn
 
-# SLURM's `--signal=SIG@TIME` takes TIME in 0..65535 seconds (sbatch(1)); a TCP port is 1..65535.
+# SLURM's `--signal=SIG@TIME` takes TIME in 0..65535 seconds (`get_signal_opts` in
+# SchedMD/slurm, src/common/proc_args.c, refuses more); a TCP port is 1..65535.
 MAX_PORT = 65535
 MAX_SIGNAL_SECONDS = 65535
 
