@@ -233,3 +233,20 @@ def test_a_damaged_latest_checkpoint_points_at_the_newest_good_one(tmp_path):
     assert check_resumable(folder, model, "tiny_dense") == 2
     with pytest.raises(LaunchError, match=r"holds w as \[1000\], not \[999\]"):
         check_resumable(folder, {"w": (999,)}, "tiny_dense")
+
+
+def test_run_refuses_a_damaged_checkpoint_it_would_resume(capsys, in_tmp, monkeypatch):
+    from qwentitan.launch.commands import run as run_command
+
+    def never(*_):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(run_command, "supervise", never)
+    step = save_checkpoint(in_tmp / "out" / "checkpoint" / "step-1", SMALL)
+    what = _truncated_metadata(step)
+    before = snapshot(in_tmp)
+    argv = ["run", "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1"]
+    message = refusal(capsys, [*argv, "--dump-folder", str(in_tmp / "out")])
+    assert message.startswith(f"The checkpoint to resume is damaged: {what}")
+    assert message.endswith("; pass another --dump-folder to start fresh.")
+    assert snapshot(in_tmp) == before

@@ -12,13 +12,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.plan import meta_model
 
-__all__ = ["check_resumable", "saved_steps"]
+__all__ = ["check_resumable", "saved_steps", "state_shapes"]
 
 _STEP_FOLDER = re.compile(r"step-(\d+)")
 METADATA = ".metadata"
@@ -39,17 +41,30 @@ def saved_steps(folder: Path) -> list[int]:
     )
 
 
-def check_resumable(folder: Path, model: Shapes, recipe: str) -> int:
+def state_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the recipe's model state dict, which torchtitan saves at the top
+    level of a checkpoint (built on the meta device: no memory)."""
+    return {name: tuple(t.shape) for name, t in meta_model(config).state_dict().items()}
+
+
+def check_resumable(
+    folder: Path,
+    model: Shapes,
+    recipe: str,
+    *,
+    folder_flag: str = "--run-dir",
+    fresh: str = "start fresh without --resume",
+) -> int:
     """The step torchtitan will resume in `folder`; LaunchError if its checkpoint is unusable.
 
-    `model` maps the recipe's parameter and buffer names to their shapes (the model state dict
-    torchtitan saves at the top level of a checkpoint).
+    `model` is `state_shapes(config)`. The refusals name `folder_flag` (the command's flag for
+    the run folder) and `fresh` (how that command starts a run from scratch).
     """
     steps = saved_steps(folder)
     if not steps:
         raise LaunchError(
             f"There is no checkpoint to resume in {folder}; run once without --resume first, "
-            "or pass the --run-dir of an earlier run."
+            f"or pass the {folder_flag} of an earlier run."
         )
     latest = folder / f"step-{steps[-1]}"
     damage = _damage(latest)
@@ -60,14 +75,14 @@ def check_resumable(folder: Path, model: Shapes, recipe: str) -> int:
         fix = (
             f"move {latest.name} out of {folder} to resume from step-{earlier}"
             if earlier is not None
-            else "start fresh without --resume"
+            else fresh
         )
         raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.")
     mismatch = _mismatch(latest, model)
     if mismatch is not None:
         raise LaunchError(
-            f"{latest} {mismatch}, so it is another model's checkpoint; pass the --run-dir of a "
-            f"{recipe} run, or another --run-dir to start fresh."
+            f"{latest} {mismatch}, so it is another model's checkpoint; pass the {folder_flag} of "
+            f"a {recipe} run, or another {folder_flag} to start fresh."
         )
     return steps[-1]
 

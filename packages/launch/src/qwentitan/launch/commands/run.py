@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from qwentitan.launch.environment import merged_env
 from qwentitan.launch.errors import LaunchError
@@ -63,12 +64,29 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.platforms import PLATFORM_ENV
 
     check_host(plan)
+    check_checkpoint(plan)
     env = merged_env(plan)
     env[PLATFORM_ENV] = plan.topology.device_type  # every rank trains on what was planned
     if plan.topology.device_type == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.ranks_per_node)))
     argv = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args()[1:]]
     return supervise(argv, env)
+
+
+def check_checkpoint(plan: LaunchPlan) -> None:
+    """The ranks resume from the newest checkpoint in the dump folder: refuse one they cannot."""
+    from qwentitan.launch.resume import check_resumable, saved_steps, state_shapes
+
+    checkpoint = plan.config.checkpoint
+    folder = Path(plan.config.dump_folder) / checkpoint.folder
+    if checkpoint.enable and saved_steps(folder):
+        check_resumable(
+            folder,
+            state_shapes(plan.config),
+            plan.recipe,
+            folder_flag="--dump-folder",
+            fresh="pass another --dump-folder to start fresh",
+        )
 
 
 def check_host(plan: LaunchPlan) -> None:

@@ -20,10 +20,9 @@ from pathlib import Path
 from qwentitan.launch.data import OFFLINE, check_dataset, check_tokenizer_folder, resolve_dataset
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.flags import one_line_errors, positive
-from qwentitan.launch.plan import meta_model
 from qwentitan.launch.platforms import PLATFORM_ENV, Platform, current_platform
 from qwentitan.launch.recipes import get_recipe, recipe_names
-from qwentitan.launch.resume import check_resumable
+from qwentitan.launch.resume import check_resumable, state_shapes
 
 NAME = "train"
 HELP = (
@@ -146,8 +145,7 @@ def _prepare_checkpoints(
     folder: Path, *, resume: bool, steps: int, recipe: str, config: object
 ) -> None:
     if resume:
-        model = {name: tuple(t.shape) for name, t in meta_model(config).state_dict().items()}
-        step = check_resumable(folder, model, recipe)
+        step = check_resumable(folder, state_shapes(config), recipe)
         if step >= steps:
             raise LaunchError(
                 f"The checkpoint in {folder} is already at step {step}; pass --steps "
