@@ -7,6 +7,7 @@ plan, train, run and slurm; damaged dataset files; checkpoints `train --resume` 
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 from pathlib import Path
 
@@ -35,6 +36,13 @@ def refusal(capsys, argv: list[str]) -> str:
     prefix = f"qwentitan-launch {argv[0]}: "
     assert line.startswith(prefix) and "\n" not in line, err
     return line.removeprefix(prefix)
+
+
+@pytest.fixture(autouse=True)
+def nothing_logged_before_the_sentence(caplog):
+    """Outside pytest a logged warning reaches stderr too, before the one sentence."""
+    yield
+    assert [r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.WARNING] == []
 
 
 @pytest.fixture
