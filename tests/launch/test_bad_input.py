@@ -42,7 +42,9 @@ def refusal(capsys, argv: list[str]) -> str:
 def nothing_logged_before_the_sentence(caplog):
     """Outside pytest a logged warning reaches stderr too, before the one sentence."""
     yield
-    assert [r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.WARNING] == []
+    assert [
+        r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.WARNING
+    ] == []
 
 
 @pytest.fixture
