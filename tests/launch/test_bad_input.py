@@ -1,7 +1,8 @@
 """Bad input is refused in one sentence with exit code 2 before any rank starts, writing nothing.
 
 Every case runs `qwentitan-launch` in this process (no torchrun): numeric flags out of range in
-plan, train, run and slurm; damaged dataset files; checkpoints `train --resume` cannot use.
+plan, train, run and slurm; damaged dataset files; checkpoints `train --resume` or `run`
+would fail to resume from.
 """
 
 from __future__ import annotations
