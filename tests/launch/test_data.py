@@ -13,6 +13,7 @@ from qwentitan.launch.data import (
     TextDataLoader,
     build_corpus,
     build_qwen_tokenizer,
+    check_dataset,
     resolve_dataset,
 )
 from qwentitan.launch.errors import LaunchError
@@ -90,8 +91,8 @@ def test_missing_dataset_path_is_one_sentence():
 def test_dataset_without_text_field_is_refused(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"content": "no text here"}\n')
-    with pytest.raises(LaunchError, match="`text` string"):
-        resolve_dataset(str(data))
+    with pytest.raises(LaunchError, match="line 1 has no `text` string"):
+        check_dataset(resolve_dataset(str(data)))
     assert resolve_dataset("allenai/c4").hub == "allenai/c4"
 
 

@@ -18,7 +18,7 @@ from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.tracking import MLflowLogger, attach_report, cost_per_million_tokens
 from qwentitan.launch.tracking.cost import hourly_price
 from qwentitan.launch.tracking.names import flatten_config, metric_name
-from qwentitan.launch.tracking.spool import read_spool
+from qwentitan.launch.tracking.spool import load_spool, read_spool
 
 # The keys torchtitan 0.3.0's MetricsProcessor.log / log_validation and Trainer.train_step emit.
 TORCHTITAN_KEYS = [
@@ -228,11 +228,16 @@ def test_sync_mlflow_names_a_missing_folder_in_one_sentence(tmp_path, capsys):
 
 def test_a_torn_last_line_is_ignored_but_a_damaged_middle_is_reported(tmp_path):
     spool = tmp_path / "s.jsonl"
-    lines = [json.dumps({"kind": "run", "seq": 0}), json.dumps({"kind": "end", "seq": 1})]
+    run = {"kind": "run", "seq": 0, "run_key": "k", "experiment": "e"}
+    lines = [json.dumps(run), json.dumps({"kind": "end", "seq": 1, "status": "FINISHED"})]
     spool.write_text(lines[0] + "\n" + lines[1] + "\n" + '{"kind": "metr')
     assert [r["kind"] for r in read_spool(spool)] == ["run", "end"]
+    assert load_spool(spool).damaged_lines == ()
     spool.write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
-    with pytest.raises(LaunchError, match="Line 2"):
+    assert [r["kind"] for r in read_spool(spool)] == ["run", "end"]
+    assert load_spool(spool).damaged_lines == (2,)
+    spool.write_text("{oops\n" + lines[1] + "\n")
+    with pytest.raises(LaunchError, match="does not start with a run record"):
         read_spool(spool)
 
 

@@ -1,7 +1,5 @@
 """`qwentitan-launch train` refuses bad input in one sentence, exit code 2, before starting ranks."""
 
-import pytest
-
 from qwentitan.launch import cli
 from qwentitan.launch.platforms import current_platform
 
@@ -43,9 +41,3 @@ def test_more_ranks_than_the_machine_holds(capsys, tmp_path):
 def test_resume_without_a_checkpoint(capsys, tmp_path):
     message = refused(capsys, "--resume", "--run-dir", str(tmp_path))
     assert message.startswith("There is no checkpoint to resume in ")
-
-
-@pytest.mark.parametrize("flag", ["--steps", "--stop-after"])
-def test_step_counts_outside_the_run(capsys, tmp_path, flag):
-    message = refused(capsys, flag, "0", "--run-dir", str(tmp_path))
-    assert flag in message

@@ -18,6 +18,7 @@ _LAZY = {
     "LaunchPlan": "qwentitan.launch.plan",
     "ParallelDegrees": "qwentitan.launch.plan",
     "resolve_plan": "qwentitan.launch.plan",
+    "meta_model": "qwentitan.launch.plan",
     "MemoryEstimate": "qwentitan.launch.memory",
     "ModelShape": "qwentitan.launch.memory",
     "estimate_memory": "qwentitan.launch.memory",

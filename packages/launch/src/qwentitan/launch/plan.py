@@ -13,12 +13,15 @@ import contextlib
 import io
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwentitan.launch.environment import plan_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.memory import USABLE_FRACTION, MemoryEstimate, ModelShape, estimate_memory
 from qwentitan.launch.topology import GIB, INSTANCES, Topology, get_topology
+
+if TYPE_CHECKING:
+    import torch
 
 RECIPES_MODULE = "qwentitan.launch.recipes"
 # torchtitan's own entry point on every rank; the recipe's Trainer.Config builds our Trainer.
@@ -224,13 +227,17 @@ def _tyro_message(text: str) -> str:
     return " ".join(words).removeprefix("Error parsing Config: ")
 
 
-def model_shape(config: Any) -> ModelShape:
-    """Build the recipe's model on the meta device (no memory) and read its shape."""
+def meta_model(config: Any) -> torch.nn.Module:
+    """The recipe's model built on the meta device: shapes and dtypes, no memory."""
     import torch
 
     with torch.device("meta"):
-        model = config.model_spec.model.build()
-    return ModelShape.of(model)
+        return config.model_spec.model.build()
+
+
+def model_shape(config: Any) -> ModelShape:
+    """The shape of the recipe's model, read from its meta-device build."""
+    return ModelShape.of(meta_model(config))
 
 
 def resolve_plan(
@@ -245,6 +252,7 @@ def resolve_plan(
     ep: int | None = None,
     seq_len: int | None = None,
     local_batch: int | None = None,
+    global_batch: int | None = None,
     activation_checkpoint: str | None = None,
     steps: int | None = None,
     dump_folder: str | None = None,
@@ -286,12 +294,10 @@ def resolve_plan(
         # CUDA graphs exist on CUDA only; torchtitan validates them (and refuses EP) otherwise.
         overrides.append("--training.disable-cuda-graphs")
     overrides += list(extra_overrides or [])
-    if activation_checkpoint is not None:
-        overrides.append(
-            f"activation-checkpoint:{activation_checkpoint}"
-        )  # a tyro subcommand: last
+    # A tyro subcommand, so always the last word on the trainer's command line.
+    ac_choice = [f"activation-checkpoint:{activation_checkpoint}"] if activation_checkpoint else []
 
-    config = load_config(recipe, overrides)
+    config = load_config(recipe, overrides + ac_choice)
     degrees = _resolve_degrees(config.parallelism, world, topology)
     _check_seq_len(config.training.seq_len, topology)
     shape = model_shape(config)
@@ -303,14 +309,18 @@ def resolve_plan(
     ac = _ac_mode(config.activation_checkpoint)
     batch_ranks = degrees.data_parallel_shard * degrees.data_parallel_replicate
     local = config.training.local_batch_size
-    global_batch = config.training.global_batch_size
-    if global_batch <= 0:
-        global_batch = local * batch_ranks
-    if global_batch % (local * batch_ranks):
-        raise LaunchError(
-            f"Global batch {global_batch} is not a multiple of local batch {local} x "
-            f"{batch_ranks} data-parallel ranks; change --local-batch-size or --nodes."
-        )
+    recipe_batch = config.training.global_batch_size
+    resolved_batch = _global_batch(
+        recipe_batch if global_batch is None else global_batch,
+        local=local,
+        batch_ranks=batch_ranks,
+        nodes=nodes,
+        pinned=global_batch is not None,
+    )
+    if global_batch is not None or (recipe_batch > 0 and resolved_batch != recipe_batch):
+        # Pinned or scaled with the nodes: the ranks load the recipe too, so they are told.
+        overrides += ["--training.global-batch-size", str(resolved_batch)]
+        config.training.global_batch_size = resolved_batch
     # torchtitan casts to the mixed-precision dtype only through fully_shard, which it applies
     # when more than one rank shards (dp_shard x cp > 1); otherwise everything is the training dtype.
     fsdp = degrees.data_parallel_shard * degrees.context_parallel > 1
@@ -343,10 +353,10 @@ def resolve_plan(
         degrees=degrees,
         seq_len=config.training.seq_len,
         local_batch=local,
-        global_batch=global_batch,
+        global_batch=resolved_batch,
         steps=config.training.steps,
         activation_checkpoint=ac,
-        overrides=overrides,
+        overrides=overrides + ac_choice,
         env=plan_env(topology, nodes=nodes, compile_cache=compile_cache),
         memory=memory,
         config=config,
@@ -358,6 +368,33 @@ def resolve_plan(
     if not memory.fits:
         raise LaunchError(_memory_refusal(plan))
     return plan
+
+
+def _global_batch(
+    recipe_batch: int, *, local: int, batch_ranks: int, nodes: int, pinned: bool
+) -> int:
+    """Samples per optimizer step: pinned by --global-batch-size, else it follows the world size.
+
+    A recipe's global batch is what one node takes (it is written for one instance), so N nodes
+    take N times it with the same gradient accumulation; a recipe without one takes one local
+    batch per data-parallel rank (torchtitan's default).
+    """
+    micro = local * batch_ranks
+    if pinned:
+        batch, source = recipe_batch, "--global-batch-size"
+    elif recipe_batch > 0:
+        batch = recipe_batch * nodes
+        source = f"the recipe's {recipe_batch} per node x {nodes} node{'s' * (nodes > 1)}"
+    else:
+        return micro
+    if batch % micro:
+        fits = max(micro, round(batch / micro) * micro)
+        raise LaunchError(
+            f"Global batch {batch} is not a multiple of local batch {local} x {batch_ranks} "
+            f"data-parallel ranks = {micro} ({source}); pass --global-batch-size {fits} "
+            f"(or another multiple of {micro})."
+        )
+    return batch
 
 
 def _resolve_degrees(parallelism: Any, world: int, topology: Topology) -> ParallelDegrees:

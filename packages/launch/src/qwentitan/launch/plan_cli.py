@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from qwentitan.launch.flags import one_line_errors, positive
 from qwentitan.launch.plan import AC_MODES, DEFAULT_COMPILE_CACHE, LaunchPlan, resolve_plan
 from qwentitan.launch.topology import INSTANCES
 
 
 def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
     """The flags every command that resolves a plan accepts (plan, run, slurm, preflight)."""
+    one_line_errors(parser)
     parser.add_argument("--recipe", required=recipe_required, help="recipe function name")
     parser.add_argument(
         "--instance",
@@ -17,21 +19,36 @@ def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
         "else this host)",
     )
     parser.add_argument(
-        "--nodes", "--nnodes", dest="nodes", type=int, default=1, help="number of nodes (default 1)"
+        "--nodes",
+        "--nnodes",
+        dest="nodes",
+        type=positive,
+        default=1,
+        help="number of nodes (default 1)",
     )
-    parser.add_argument("--lnc", type=int, help="logical NeuronCore size, 1 or 2 (trn2 default 2)")
-    parser.add_argument("--ranks-per-node", type=int, help="default: every logical core / GPU")
-    parser.add_argument("--fsdp", type=int, help="FSDP degree (default: the remaining ranks)")
-    parser.add_argument("--tp", type=int, help="tensor-parallel degree")
-    parser.add_argument("--ep", type=int, help="expert-parallel degree (MoE recipes)")
-    parser.add_argument("--seq-len", type=int, help="override the recipe's sequence length")
-    parser.add_argument("--local-batch-size", type=int, help="override the local batch size")
+    parser.add_argument(
+        "--lnc", type=positive, help="logical NeuronCore size, 1 or 2 (trn2 default 2)"
+    )
+    parser.add_argument("--ranks-per-node", type=positive, help="default: every logical core / GPU")
+    parser.add_argument("--fsdp", type=positive, help="FSDP degree (default: the remaining ranks)")
+    parser.add_argument("--tp", type=positive, help="tensor-parallel degree")
+    parser.add_argument("--ep", type=positive, help="expert-parallel degree (MoE recipes)")
+    parser.add_argument("--seq-len", type=positive, help="override the recipe's sequence length")
+    parser.add_argument("--local-batch-size", type=positive, help="override the local batch size")
+    parser.add_argument(
+        "--global-batch-size",
+        type=positive,
+        help="samples per optimizer step over all ranks (default: the recipe's per node, times "
+        "--nodes); a multiple of local batch x data-parallel ranks",
+    )
     parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing mode")
-    parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--steps", type=positive, help="override the number of training steps")
     parser.add_argument(
         "--dump-folder", help="run folder for checkpoints and logs (shared by nodes)"
     )
-    parser.add_argument("--checkpoint-interval", type=int, help="save a checkpoint every N steps")
+    parser.add_argument(
+        "--checkpoint-interval", type=positive, help="save a checkpoint every N steps"
+    )
     parser.add_argument(
         "--compile-cache",
         default=DEFAULT_COMPILE_CACHE,
@@ -51,6 +68,7 @@ def plan_from_args(args: Any, **extra: Any) -> LaunchPlan:
         ep=args.ep,
         seq_len=args.seq_len,
         local_batch=args.local_batch_size,
+        global_batch=args.global_batch_size,
         activation_checkpoint=args.ac,
         steps=args.steps,
         compile_cache=args.compile_cache,

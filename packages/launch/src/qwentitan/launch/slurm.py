@@ -124,6 +124,7 @@ def _knob_args(plan: LaunchPlan) -> list[str]:
     flags = {
         "--training.seq-len": "--seq-len",
         "--training.local-batch-size": "--local-batch-size",
+        "--training.global-batch-size": "--global-batch-size",
         "--training.steps": "--steps",
         "--parallelism.data-parallel-shard-degree": "--fsdp",
         "--dump-folder": "--dump-folder",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from qwentitan.launch.environment import rank_env
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.flags import non_negative
 from qwentitan.launch.plan import LaunchPlan
 from qwentitan.launch.plan_cli import add_plan_arguments, describe, plan_from_args
 
@@ -21,14 +23,16 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (0..N-1)")
+    parser.add_argument(
+        "--node-rank", type=non_negative, default=0, help="this node's rank (0..N-1)"
+    )
     parser.add_argument(
         "--rdzv-endpoint",
         help="HOST:PORT of the c10d rendezvous, on the first node (default localhost:0, one node)",
     )
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=non_negative,
         default=0,
         help="torchrun restarts of the whole group after a rank fails; each resumes from the "
         "last checkpoint",
@@ -58,8 +62,25 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.preemption import supervise
 
     check_host(plan)
+    check_checkpoint(plan)
     argv = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args()[1:]]
     return supervise(argv, rank_env(plan))
+
+
+def check_checkpoint(plan: LaunchPlan) -> None:
+    """The ranks resume from the newest checkpoint in the dump folder: refuse one they cannot."""
+    from qwentitan.launch.resume import check_resumable, saved_steps, state_shapes
+
+    checkpoint = plan.config.checkpoint
+    folder = Path(plan.config.dump_folder) / checkpoint.folder
+    if checkpoint.enable and saved_steps(folder):
+        check_resumable(
+            folder,
+            state_shapes(plan.config),
+            plan.recipe,
+            folder_flag="--dump-folder",
+            fresh="pass another --dump-folder to start fresh",
+        )
 
 
 def check_host(plan: LaunchPlan) -> None:

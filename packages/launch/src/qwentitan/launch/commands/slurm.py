@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from qwentitan.launch.flags import MAX_SIGNAL_SECONDS, non_negative, port, whole_number
 from qwentitan.launch.plan_cli import add_plan_arguments, plan_from_args
 from qwentitan.launch.slurm import DEFAULT_PORT, SlurmOptions, write_sbatch
 
@@ -22,10 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--partition", help="SLURM partition")
     parser.add_argument("--time", help="SLURM time limit, e.g. 04:00:00")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous port")
-    parser.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts per node")
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="rendezvous port")
     parser.add_argument(
-        "--grace-seconds", type=int, default=120, help="USR1 this long before the time limit"
+        "--max-restarts", type=non_negative, default=3, help="torchrun restarts per node"
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=whole_number(0, MAX_SIGNAL_SECONDS),
+        default=120,
+        help="USR1 this long before the time limit",
     )
 
 

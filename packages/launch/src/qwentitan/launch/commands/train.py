@@ -1,8 +1,9 @@
 """`qwentitan-launch train`: train a recipe on this machine, one torchrun process per rank.
 
 Everything a user can get wrong is checked here, before any process starts, and refused in
-one sentence (exit 2): the recipe, the ranks this host holds, the sequence length, the dataset
-and tokenizer paths, and whether there is a checkpoint to resume. The ranks then run
+one sentence (exit 2): the numbers (by argparse), the recipe, the ranks this host holds, the
+sequence length, every line of a local dataset, the tokenizer folder, and under `--resume` the
+checkpoint torchtitan would load (whole, and of this recipe's model). The ranks then run
 torchtitan's own entry point, `torchtitan.train --module qwentitan.launch.recipes --config R`,
 with the choices made here passed as torchtitan overrides.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.flags import one_line_errors, positive
 from qwentitan.launch.recipes import get_recipe, recipe_names
 
 if TYPE_CHECKING:
@@ -30,22 +31,25 @@ HELP = (
     "tokenizer, no download); --resume continues from the last checkpoint."
 )
 
-_STEP_FOLDER = re.compile(r"step-(\d+)")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    one_line_errors(parser)
     parser.add_argument(
         "--recipe", default="tiny_dense", help=f"one of {', '.join(recipe_names())}"
     )
-    parser.add_argument("--steps", type=int, help="total steps to reach (default: the recipe's)")
     parser.add_argument(
-        "--ranks", type=int, help="processes (default: 2, or fewer if the host holds fewer)"
+        "--steps", type=positive, help="total steps to reach (default: the recipe's)"
+    )
+    parser.add_argument(
+        "--ranks", type=positive, help="processes (default: 2, or fewer if the host holds fewer)"
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the run folder's last checkpoint"
     )
-    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the recipe's)")
-    parser.add_argument("--local-batch-size", type=int, help="samples per rank per step")
+    parser.add_argument(
+        "--seq-len", type=positive, help="tokens per sample (default: the recipe's)"
+    )
+    parser.add_argument("--local-batch-size", type=positive, help="samples per rank per step")
     parser.add_argument(
         "--dataset", help="`offline`, a c4-style JSON-lines file or folder, or a Hub dataset name"
     )
@@ -56,15 +60,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--run-dir", type=Path, help="where checkpoints and logs go (default: ./outputs/RECIPE)"
     )
     parser.add_argument(
-        "--stop-after", type=int, help="stop after this step with a checkpoint (resume later)"
+        "--stop-after", type=positive, help="stop after this step with a checkpoint (resume later)"
     )
     parser.add_argument(
-        "--validate-every", type=int, help="validation loss every N steps (default: the recipe's)"
+        "--validate-every",
+        type=positive,
+        help="validation loss every N steps (default: the recipe's)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from qwentitan.launch.data import check_tokenizer_folder, resolve_dataset
+    from qwentitan.launch.data import (
+        OFFLINE,
+        check_dataset,
+        check_tokenizer_folder,
+        resolve_dataset,
+    )
     from qwentitan.launch.platforms import current_platform
 
     platform = current_platform()
@@ -75,23 +86,25 @@ def run(args: argparse.Namespace) -> int:
 
     steps = args.steps if args.steps is not None else config.training.steps
     seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
-    if steps < 1:
-        raise LaunchError(f"--steps {steps} is not a positive number; pass --steps 1 or more.")
-    if args.stop_after is not None and not 0 < args.stop_after < steps:
+    if args.stop_after is not None and args.stop_after >= steps:
         raise LaunchError(
-            f"--stop-after {args.stop_after} is not between 1 and --steps {steps} (exclusive); "
-            "pass a step inside the run."
+            f"--stop-after {args.stop_after} is not before the last step {steps}; pass "
+            f"--stop-after {steps - 1} or less, or raise --steps."
         )
     platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
-    if args.local_batch_size is not None and args.local_batch_size < 1:
-        raise LaunchError("--local-batch-size must be 1 or more.")
-    if args.dataset is not None:
-        resolve_dataset(args.dataset)
+    if args.dataset not in (None, OFFLINE):
+        check_dataset(resolve_dataset(args.dataset))
     if args.tokenizer is not None:
         check_tokenizer_folder(args.tokenizer)
 
     run_dir = (args.run_dir or Path("outputs") / args.recipe).resolve()
-    _prepare_checkpoints(run_dir / config.checkpoint.folder, resume=args.resume, steps=steps)
+    _prepare_checkpoints(
+        run_dir / config.checkpoint.folder,
+        resume=args.resume,
+        steps=steps,
+        recipe=args.recipe,
+        config=config,
+    )
 
     overrides = {
         "--dump_folder": str(run_dir),
@@ -137,22 +150,17 @@ def _max_positions(model: object) -> int:
     return model.max_seq_len
 
 
-def _prepare_checkpoints(folder: Path, *, resume: bool, steps: int) -> None:
-    saved = sorted(
-        int(m.group(1))
-        for p in (folder.iterdir() if folder.is_dir() else ())
-        if (m := _STEP_FOLDER.fullmatch(p.name)) and (p / ".metadata").exists()
-    )
+def _prepare_checkpoints(
+    folder: Path, *, resume: bool, steps: int, recipe: str, config: object
+) -> None:
     if resume:
-        if not saved:
+        from qwentitan.launch.resume import check_resumable, state_shapes
+
+        step = check_resumable(folder, state_shapes(config), recipe)
+        if step >= steps:
             raise LaunchError(
-                f"There is no checkpoint to resume in {folder}; run once without --resume first, "
-                "or pass the --run-dir of an earlier run."
-            )
-        if saved[-1] >= steps:
-            raise LaunchError(
-                f"The checkpoint in {folder} is already at step {saved[-1]}; pass --steps "
-                f"{saved[-1] + 1} or more to continue."
+                f"The checkpoint in {folder} is already at step {step}; pass --steps "
+                f"{step + 1} or more to continue."
             )
     elif folder.exists():
         # A fresh run: torchtitan would otherwise load the newest checkpoint it finds there.

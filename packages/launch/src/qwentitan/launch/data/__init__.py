@@ -1,5 +1,6 @@
 """Data for training without a download: the offline corpus, Qwen3's tokenizer, dataset loaders."""
 
+from qwentitan.launch.data.check import check_dataset, check_json_lines
 from qwentitan.launch.data.corpus import build_corpus, corpus_documents, offline_corpus
 from qwentitan.launch.data.loader import OFFLINE, DataSource, TextDataLoader, resolve_dataset
 from qwentitan.launch.data.tokenizer import (
@@ -18,6 +19,8 @@ __all__ = [
     "TextDataLoader",
     "build_corpus",
     "build_qwen_tokenizer",
+    "check_dataset",
+    "check_json_lines",
     "check_tokenizer_folder",
     "corpus_documents",
     "offline_corpus",

@@ -11,7 +11,6 @@ extension point), and keeps a held-out slice of local data for validation.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -48,7 +47,10 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def resolve_dataset(spec: str) -> DataSource:
-    """Turn `--dataset` into a source, refusing a local path that is missing or holds no JSON."""
+    """Turn `--dataset` into a source, refusing a local path that is missing or holds no JSON.
+
+    The lines themselves are checked once by the launcher (`check_dataset`), not on every rank.
+    """
     if spec == OFFLINE:
         return DataSource(name=OFFLINE, files=(str(offline_corpus()),))
     path = Path(spec).expanduser()
@@ -67,27 +69,10 @@ def resolve_dataset(spec: str) -> DataSource:
                 f"Dataset path {path} does not exist; pass an existing JSON-lines file or folder, "
                 f"a Hugging Face dataset name, or --dataset {OFFLINE}."
             )
-        _check_text_field(files[0])
         return DataSource(name=str(path), files=tuple(str(p.resolve()) for p in files))
     if spec in DATASETS:  # torchtitan's own names: c4, c4_test, c4_validation
         return DataSource(name=spec)
     return DataSource(name=spec, hub=spec)
-
-
-def _check_text_field(file: Path) -> None:
-    if file.name.endswith(".gz"):
-        return
-    with open(file, encoding="utf-8") as f:
-        first = f.readline()
-    try:
-        record = json.loads(first) if first.strip() else None
-    except json.JSONDecodeError:
-        record = None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise LaunchError(
-            f"Dataset file {file} does not start with a JSON object holding a `text` string; "
-            'write one {"text": ...} object per line (c4 style).'
-        )
 
 
 def _text(sample: dict[str, Any]) -> str:

@@ -71,7 +71,13 @@ def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer
         ),
         activation_checkpoint=None,  # tiny activations; recomputing them only costs time
         checkpoint=CheckpointManager.Config(
-            enable=True, interval=100, last_save_model_only=False, keep_latest_k=2
+            enable=True,
+            interval=100,
+            last_save_model_only=False,
+            keep_latest_k=2,
+            # Nothing is loaded initially; torchtitan's default (True) logs a warning that would
+            # come before every one-sentence refusal of `train`.
+            initial_load_model_only=False,
         ),
         validator=Validator.Config(
             enable=True,

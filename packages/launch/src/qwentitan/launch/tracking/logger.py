@@ -25,7 +25,7 @@ from torchtitan.config import Configurable
 from qwentitan.launch.tracking import context, cost
 from qwentitan.launch.tracking.names import flatten_config, metric_name
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
-from qwentitan.launch.tracking.store import now_ms
+from qwentitan.launch.tracking.store import REQUEST_TIMEOUT_S, bounded_http, now_ms
 from qwentitan.launch.tracking.summary import RunSummary
 from qwentitan.launch.tracking.writer import BackgroundWriter
 
@@ -89,7 +89,7 @@ class MLflowLogger(BaseLogger, Configurable):
         close_timeout_s: float = 30.0
         """Longest wait at the end of training for MLflow to confirm; the spool keeps the rest."""
 
-        request_timeout_s: int = 10
+        request_timeout_s: int = REQUEST_TIMEOUT_S
         """HTTP timeout per MLflow request (a hung server costs the writer thread this, never training)."""
 
         retry_after_s: float = 60.0
@@ -131,9 +131,8 @@ class MLflowLogger(BaseLogger, Configurable):
             all_tags["cost.price_source"] = price[1]
 
         # Bounded HTTP waits for the writer thread; a user's own settings win.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(config.request_timeout_s))
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        for key, value in bounded_http(config.request_timeout_s).items():
+            os.environ.setdefault(key, value)
 
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.spool = SpoolWriter(self.run_dir / SPOOL_FOLDER / f"{stamp}-{self.run_key[:8]}.jsonl")

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from pathlib import Path
 
+from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.tracking.logger import REPORTS_FOLDER, resolve_tracking_uri
-from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, read_spool
-from qwentitan.launch.tracking.store import MlflowTarget, Replayed, replay
+from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, load_spool
+from qwentitan.launch.tracking.store import (
+    REQUEST_TIMEOUT_S,
+    MlflowTarget,
+    Replayed,
+    bounded_http_waits,
+    replay,
+)
+
+# A run whose spool has no `end` record stopped without saying how (killed, crashed, or still
+# training); sync-mlflow ends it as FAILED rather than leave it RUNNING for ever.
+UNFINISHED_STATUS = "FAILED"
 
 
 def sync_run_dir(
@@ -16,23 +29,55 @@ def sync_run_dir(
     """Replay every spool under `run_dir` (or the one spool file given); idempotent.
 
     The store is `tracking_uri`, else `$MLFLOW_TRACKING_URI`, else the one the run was logging
-    to. Reports that appeared in RUN_DIR/reports after a run ended go to the newest run.
+    to. Reports that appeared in RUN_DIR/reports after a run ended go to the newest run. Damaged
+    spool lines are skipped and listed in each result's `damaged_lines`. MLflow gets the bounded
+    HTTP waits training uses; a store that does not answer is a LaunchError.
     """
+    from mlflow.exceptions import MlflowException
+    from requests import RequestException
+
     spools = find_spools(Path(run_dir))
     results = []
     targets: dict[str, MlflowTarget] = {}
     for number, spool in enumerate(spools):
-        records = read_spool(spool)
+        loaded = load_spool(spool)
+        records = loaded.records
         base = spool.parent.parent if spool.parent.name == SPOOL_FOLDER else spool.parent
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or records[0]["tracking_uri"]
+        uri = (
+            tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or records[0].get("tracking_uri")
+        )
         uri = resolve_tracking_uri(uri)
-        if uri not in targets:
-            targets[uri] = MlflowTarget(uri)
-        target = targets[uri]
         if number == len(spools) - 1:
             records = records + _late_reports(records, base)
-        results.append(replay(target, records, base))
+        try:
+            with bounded_http_waits():
+                if uri not in targets:
+                    targets[uri] = MlflowTarget(uri)
+                done = replay(targets[uri], records, base, unfinished=UNFINISHED_STATUS)
+        except (MlflowException, RequestException) as error:
+            raise LaunchError(
+                f"MLflow at {uri} cannot be used ({_reason(error)}; each request waits at most "
+                f"{REQUEST_TIMEOUT_S} s, retried twice); start the tracking server or pass "
+                "--tracking-uri, then run sync-mlflow again (the spool is kept)."
+            ) from None
+        results.append(dataclasses.replace(done, damaged_lines=loaded.damaged_lines))
     return results
+
+
+def _reason(error: Exception) -> str:
+    """A few words for what went wrong (MLflow's own text runs to several lines)."""
+    text = str(error)
+    if code := re.search(r"error code (\d+)", text):
+        return f"it answered HTTP {code.group(1)}"
+    for words, reason in (
+        ("Connection refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("Name or service not known", "unknown host"),
+        ("Max retries exceeded", "no connection"),
+    ):
+        if words in text:
+            return reason
+    return text.splitlines()[0][:120] if text else type(error).__name__
 
 
 def _late_reports(records: list[dict], base: Path) -> list[dict]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,26 +44,69 @@ class SpoolWriter:
             self._file.close()
 
 
-def read_spool(path: Path) -> list[dict[str, Any]]:
-    """Every complete record of a spool; a torn last line (crash mid-write) is left out."""
-    records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+# The fields each kind of record needs; a line without them is damaged (see `load_spool`).
+_FIELDS = {
+    "run": ("run_key", "experiment"),
+    "params": ("params",),
+    "tags": ("tags",),
+    "metrics": ("step", "time_ms", "values"),
+    "artifact": ("file", "artifact_path"),
+    "end": ("status",),
+}
+_MAPPINGS = ("params", "tags", "values")
+
+
+@dataclass(frozen=True, slots=True)
+class Spool:
+    """A spool's readable records, and the numbers of the lines that were not."""
+
+    records: list[dict[str, Any]]
+    damaged_lines: tuple[int, ...] = ()
+
+
+def load_spool(path: Path) -> Spool:
+    """Every whole, well-formed record of a spool; damaged lines are skipped and counted.
+
+    A torn last line (no newline: the process died mid-write) is left out without counting it:
+    nothing of it was ever sent. The first line must be the run record, which names the run.
+    """
+    lines = path.read_bytes().split(b"\n")
+    lines.pop()  # after the last newline: empty, or a torn line
+    records: list[dict[str, Any]] = []
+    damaged: list[int] = []
     for number, line in enumerate(lines, start=1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise LaunchError(
-                f"Line {number} of the MLflow spool {path} is not JSON; the file was edited or "
-                "damaged, so restore it or remove that line and run sync-mlflow again."
-            ) from None
-    if not records or records[0].get("kind") != "run":
+        record = _record(line)
+        if record is None:
+            damaged.append(number)
+        else:
+            records.append(record)
+    if not records or records[0]["kind"] != "run" or 1 in damaged:
         raise LaunchError(
             f"{path} does not start with a run record, so it is not an MLflow spool written by "
-            "qwentitan; point sync-mlflow at a run folder or at one of its spool files."
+            "qwentitan (or its first line is damaged); point sync-mlflow at a run folder or at "
+            "one of its spool files."
         )
-    return records
+    return Spool(records, tuple(damaged))
+
+
+def read_spool(path: Path) -> list[dict[str, Any]]:
+    """The records `load_spool` reads."""
+    return load_spool(path).records
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:  # not UTF-8, or not JSON
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("seq"), int):
+        return None
+    fields = _FIELDS.get(record.get("kind"))
+    if fields is None or any(name not in record for name in fields):
+        return None
+    if any(not isinstance(record[name], dict) for name in _MAPPINGS if name in fields):
+        return None
+    return record
 
 
 def find_spools(run_dir: Path) -> list[Path]:

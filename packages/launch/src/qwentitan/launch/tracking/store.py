@@ -7,8 +7,10 @@ live session that got half-way) adds each metric point, parameter and artifact a
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,31 @@ _PARAMS_PER_BATCH = 100
 _TAGS_PER_BATCH = 100
 
 Point = tuple[str, float, int, int]  # key, value, time in ms, step
+
+# MLflow's own HTTP defaults (120 s per request, 7 retries, backoff factor 2) keep an unreachable
+# server busy for about four minutes per call; training and sync-mlflow both give up sooner.
+REQUEST_TIMEOUT_S = 10
+
+
+def bounded_http(timeout_s: int = REQUEST_TIMEOUT_S) -> dict[str, str]:
+    """The MLflow environment that bounds one request to `timeout_s` and two quick retries."""
+    return {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout_s),
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    }
+
+
+@contextlib.contextmanager
+def bounded_http_waits(timeout_s: int = REQUEST_TIMEOUT_S) -> Iterator[None]:
+    """Apply `bounded_http` where the user has not set these variables; restore them after."""
+    added = {k: v for k, v in bounded_http(timeout_s).items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 class MlflowTarget:
@@ -101,10 +128,23 @@ class Replayed:
     params_added: int
     artifacts_added: int
     last_seq: int
+    status: str | None = None  # the status the run was ended with; None: left as it was
+    damaged_lines: tuple[int, ...] = ()  # spool lines that could not be read (see load_spool)
 
 
-def replay(target: MlflowTarget, records: Sequence[dict[str, Any]], base: Path) -> Replayed:
-    """Send a spool's records to `target`, skipping whatever the run already holds."""
+def replay(
+    target: MlflowTarget,
+    records: Sequence[dict[str, Any]],
+    base: Path,
+    *,
+    unfinished: str | None = None,
+) -> Replayed:
+    """Send a spool's records to `target`, skipping whatever the run already holds.
+
+    A spool without an `end` record ends its run with status `unfinished` when one is given
+    (sync-mlflow: the training is over, so the run must not stay RUNNING); the live writer
+    passes none while training still runs.
+    """
     header = records[0]
     run_id = target.open_run(header)
     run = target.client.get_run(run_id)
@@ -137,8 +177,9 @@ def replay(target: MlflowTarget, records: Sequence[dict[str, Any]], base: Path) 
         if file.is_file() and not _has_artifact(target, run_id, artifact_path, file.name):
             target.log_artifact(run_id, file, artifact_path)
             added += 1
-    if end is not None:
-        target.end(run_id, end["status"], end.get("end_ms"))
+    status = end["status"] if end is not None else unfinished
+    if status is not None:
+        target.end(run_id, status, end.get("end_ms") if end is not None else None)
     return Replayed(
         run_id=run_id,
         points_added=len(missing),
@@ -146,6 +187,7 @@ def replay(target: MlflowTarget, records: Sequence[dict[str, Any]], base: Path) 
         params_added=len(new_params),
         artifacts_added=added,
         last_seq=records[-1]["seq"],
+        status=status,
     )
 
 

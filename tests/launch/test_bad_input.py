@@ -1,0 +1,263 @@
+"""Bad input is refused in one sentence with exit code 2 before any rank starts, writing nothing.
+
+Every case runs `qwentitan-launch` in this process (no torchrun): numeric flags out of range in
+plan, train, run and slurm; damaged dataset files; checkpoints `train --resume` or `run`
+would fail to resume from.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from qwentitan.launch import cli
+from qwentitan.launch.data import check_json_lines
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.plan import meta_model
+from qwentitan.launch.recipes import get_recipe
+from qwentitan.launch.resume import check_resumable
+
+
+def refusal(capsys, argv: list[str]) -> str:
+    """Run the CLI, check exit code 2 and a one-line stderr; return that line without its prefix."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own refusals exit from parse_args
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in out + err and "usage:" not in err
+    line = err.strip()
+    prefix = f"qwentitan-launch {argv[0]}: "
+    assert line.startswith(prefix) and "\n" not in line, err
+    return line.removeprefix(prefix)
+
+
+@pytest.fixture(autouse=True)
+def nothing_logged_before_the_sentence(caplog):
+    """Outside pytest a logged warning reaches stderr too, before the one sentence."""
+    yield
+    assert [
+        r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.WARNING
+    ] == []
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run in an empty folder, so that anything a refused command wrote would show up here."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+NUMERIC = [
+    (["plan", "--recipe", "tiny_dense", "--seq-len", "0"], "--seq-len: 0 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--seq-len", "-256"], "--seq-len: -256 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--steps", "0"], "--steps: 0 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--local-batch-size", "0"], "--local-batch-size: 0 is"),
+    (["plan", "--recipe", "tiny_dense", "--global-batch-size", "0"], "--global-batch-size: 0"),
+    (["plan", "--recipe", "tiny_dense", "--nodes", "0"], "--nodes/--nnodes: 0 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--tp", "-1"], "--tp: -1 is out of range"),
+    (["plan", "--recipe", "tiny_dense", "--checkpoint-interval", "0"], "--checkpoint-interval"),
+    (["plan", "--recipe", "tiny_dense", "--seq-len", "1e3"], "'1e3' is not a whole number"),
+    (["train", "--steps", "0"], "--steps: 0 is out of range"),
+    (["train", "--validate-every", "0"], "--validate-every: 0 is out of range"),
+    (["train", "--local-batch-size", "0"], "--local-batch-size: 0 is out of range"),
+    (["train", "--seq-len", "-256"], "--seq-len: -256 is out of range"),
+    (["train", "--ranks", "0"], "--ranks: 0 is out of range"),
+    (["train", "--stop-after", "0"], "--stop-after: 0 is out of range"),
+    (["run", "--recipe", "tiny_dense", "--node-rank", "-1"], "--node-rank: -1 is out of range"),
+    (["run", "--recipe", "tiny_dense", "--max-restarts", "-2"], "--max-restarts: -2 is out"),
+    (["slurm", "--recipe", "tiny_dense", "--port", "99999"], "--port: 99999 is out of range"),
+    (["slurm", "--recipe", "tiny_dense", "--port", "0"], "--port: 0 is out of range"),
+    (["slurm", "--recipe", "tiny_dense", "--grace-seconds", "-5"], "--grace-seconds: -5 is"),
+    (["slurm", "--recipe", "tiny_dense", "--nodes", "-4"], "--nodes/--nnodes: -4 is out"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), NUMERIC, ids=[" ".join(a) for a, _ in NUMERIC])
+def test_numeric_flags_out_of_range(capsys, in_tmp, argv, expected):
+    message = refusal(capsys, argv)
+    assert message.startswith("argument ") and expected in message
+    assert message.endswith(("pass a whole number of 1 or more.", "or more.", "65535."))
+    assert os.listdir(in_tmp) == []  # no plan, script, run folder or checkpoint
+
+
+def test_the_range_names_a_value_that_works(capsys, in_tmp):
+    message = refusal(capsys, ["slurm", "--recipe", "tiny_dense", "--port", "70000"])
+    assert message == "argument --port: 70000 is out of range; pass a whole number from 1 to 65535."
+    message = refusal(capsys, ["train", "--steps", "0"])
+    assert message == "argument --steps: 0 is out of range; pass a whole number of 1 or more."
+
+
+def test_usage_errors_are_one_line_too(capsys, in_tmp):
+    message = refusal(capsys, ["plan", "--seq-len", "256"])
+    assert message == (
+        "the following arguments are required: --recipe; see qwentitan-launch plan --help."
+    )
+
+
+def test_stop_after_must_come_before_the_last_step(capsys, in_tmp):
+    message = refusal(capsys, ["train", "--steps", "3", "--stop-after", "3"])
+    assert message.startswith("--stop-after 3 is not before the last step 3; pass --stop-after 2")
+    assert os.listdir(in_tmp) == []
+
+
+GOOD = '{"text": "a document"}\n'
+
+
+def damaged(tmp_path: Path, name: str, content: bytes) -> Path:
+    path = tmp_path / "data" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "words"),
+    [
+        (
+            (GOOD * 2 + '{"text": "cut off\n' + GOOD).encode(),
+            3,
+            "is not JSON (Unterminated string starting at column 10)",
+        ),
+        ((GOOD + '{"content": "no text"}\n').encode(), 2, "has no `text` string"),
+        ((GOOD * 3 + '{"text": 42}\n').encode(), 4, "has no `text` string"),
+        ((GOOD + "[1, 2]\n").encode(), 2, "has no `text` string"),
+        (GOOD.encode() * 4 + '{"text": "caf\xe9"}\n'.encode("latin-1"), 5, "is not UTF-8 (byte 14"),
+    ],
+    ids=["broken-json", "no-text", "text-not-a-string", "not-an-object", "latin-1"],
+)
+def test_a_bad_dataset_line_is_named_by_file_and_line(capsys, in_tmp, content, line, words):
+    data = damaged(in_tmp, "train.jsonl", content)
+    message = refusal(capsys, ["train", "--dataset", str(data)])
+    assert message.startswith(f"Dataset file {data} line {line} {words}")
+    assert message.endswith('write one {"text": ...} object per line (c4 style), UTF-8.')
+    assert data.read_bytes() == content  # input is never modified
+    assert os.listdir(in_tmp) == ["data"]  # no run folder: refused before anything was written
+
+
+def test_every_file_of_a_dataset_folder_is_checked(capsys, in_tmp):
+    damaged(in_tmp, "a.jsonl", GOOD.encode() * 3)
+    bad = damaged(in_tmp, "b.jsonl.gz", gzip.compress((GOOD + "{oops\n").encode()))
+    message = refusal(capsys, ["train", "--dataset", str(in_tmp / "data")])
+    assert message.startswith(f"Dataset file {bad} line 2 is not JSON")
+
+
+def test_an_empty_or_unreadable_dataset_file(capsys, in_tmp):
+    empty = damaged(in_tmp, "empty.jsonl", b"\n\n")
+    assert refusal(capsys, ["train", "--dataset", str(empty)]).startswith(
+        f"Dataset file {empty} holds no documents;"
+    )
+    truncated = damaged(in_tmp, "cut.jsonl.gz", gzip.compress(GOOD.encode() * 100)[:-12])
+    assert refusal(capsys, ["train", "--dataset", str(truncated)]).startswith(
+        f"Dataset file {truncated} cannot be read ("
+    )
+
+
+def test_a_good_dataset_passes_blank_lines_included(tmp_path):
+    data = damaged(tmp_path, "ok.jsonl", (GOOD * 3 + "\n" + '{"text": "é 字"}').encode())
+    assert check_json_lines(data) == 4
+    packed = damaged(tmp_path, "ok.jsonl.gz", gzip.compress(GOOD.encode() * 5))
+    assert check_json_lines(packed) == 5
+
+
+def save_checkpoint(step_dir: Path, state: dict[str, torch.Tensor]) -> Path:
+    """A DCP checkpoint as torchtitan lays it out (RUN/checkpoint/step-N), without training."""
+    dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
+    return step_dir
+
+
+def snapshot(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+SMALL = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(10)}
+
+
+def _missing_data(step: Path) -> str:
+    (step / "__0_0.distcp").unlink()
+    return f"{step / '__0_0.distcp'} is missing"
+
+
+def _truncated_data(step: Path) -> str:
+    data = step / "__0_0.distcp"
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    return f"{data} is truncated ({size // 2} of at least "
+
+
+def _truncated_metadata(step: Path) -> str:
+    metadata = step / ".metadata"
+    os.truncate(metadata, metadata.stat().st_size // 2)
+    return f"{metadata} is truncated or damaged ("
+
+
+@pytest.mark.parametrize("damage", [_missing_data, _truncated_data, _truncated_metadata])
+def test_a_damaged_checkpoint_is_named_before_resuming(capsys, in_tmp, damage):
+    step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-2", SMALL)
+    what = damage(step)
+    before = snapshot(in_tmp)
+    argv = ["train", "--resume", "--run-dir", str(in_tmp / "run"), "--steps", "5"]
+    message = refusal(capsys, argv)
+    assert message.startswith(f"The checkpoint to resume is damaged: {what}")
+    assert message.endswith("; start fresh without --resume.")
+    assert snapshot(in_tmp) == before  # nothing removed, nothing written
+
+
+def test_another_recipes_checkpoint_is_named(capsys, in_tmp):
+    moe = meta_model(get_recipe("tiny_moe")())
+    state = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in moe.state_dict().items()}
+    step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-3", state)
+    before = snapshot(in_tmp)
+    argv = ["train", "--recipe", "tiny_dense", "--resume", "--run-dir", str(in_tmp / "run")]
+    message = refusal(capsys, [*argv, "--steps", "5"])
+    assert message == (
+        f"{step} holds no tensor layers.0.feed_forward.w1.weight, so it is another model's "
+        "checkpoint; pass the --run-dir of a tiny_dense run, or another --run-dir to start fresh."
+    )
+    assert snapshot(in_tmp) == before
+
+
+def test_a_damaged_latest_checkpoint_points_at_the_newest_good_one(tmp_path):
+    folder = tmp_path / "checkpoint"
+    model = {name: tuple(t.shape) for name, t in SMALL.items()}
+    save_checkpoint(folder / "step-2", SMALL)
+    save_checkpoint(folder / "step-4", SMALL)
+    save_checkpoint(folder / "step-6", SMALL)
+    assert check_resumable(folder, model, "tiny_dense") == 6
+    _missing_data(folder / "step-6")
+    _truncated_data(folder / "step-4")
+    with pytest.raises(LaunchError) as info:
+        check_resumable(folder, model, "tiny_dense")
+    assert str(info.value).endswith(f"; move step-6 out of {folder} to resume from step-2.")
+    # The advice works: what torchtitan would then resume is step-2, whole.
+    (folder / "step-6").rename(tmp_path / "step-6")
+    with pytest.raises(LaunchError, match=r"step-4/__0_0\.distcp is truncated"):
+        check_resumable(folder, model, "tiny_dense")
+    (folder / "step-4").rename(tmp_path / "step-4")
+    assert check_resumable(folder, model, "tiny_dense") == 2
+    with pytest.raises(LaunchError, match=r"holds w as \[1000\], not \[999\]"):
+        check_resumable(folder, {"w": (999,)}, "tiny_dense")
+
+
+def test_run_refuses_a_damaged_checkpoint_it_would_resume(capsys, in_tmp, monkeypatch):
+    from qwentitan.launch.commands import run as run_command
+
+    def never(*_):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(run_command, "supervise", never)
+    step = save_checkpoint(in_tmp / "out" / "checkpoint" / "step-1", SMALL)
+    what = _truncated_metadata(step)
+    before = snapshot(in_tmp)
+    argv = ["run", "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1"]
+    message = refusal(capsys, [*argv, "--dump-folder", str(in_tmp / "out")])
+    assert message.startswith(f"The checkpoint to resume is damaged: {what}")
+    assert message.endswith("; pass another --dump-folder to start fresh.")
+    assert snapshot(in_tmp) == before

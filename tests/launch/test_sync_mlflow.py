@@ -1,0 +1,160 @@
+"""`qwentitan-launch sync-mlflow`: an unreachable store is one sentence with bounded waits; a
+damaged spool is replayed around its damaged lines, reported, and never leaves a run RUNNING."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from qwentitan.launch import cli
+from qwentitan.launch.tracking import store
+from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter, load_spool
+
+HTTP_VARIABLES = (
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+)
+
+
+@pytest.fixture(autouse=True)
+def mlflow_defaults(monkeypatch):
+    """MLflow's own HTTP defaults, whatever the shell running the tests has set."""
+    for name in (*HTTP_VARIABLES, "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def write_spool(run_dir: Path, uri: str, *, end: bool = True) -> tuple[Path, SpoolWriter]:
+    spool = SpoolWriter(run_dir / SPOOL_FOLDER / "20260101-000000-abcdef01.jsonl")
+    spool.write(
+        "run",
+        run_key="abcdef0123456789",
+        experiment="qwentitan-test",
+        run_name="sync-test",
+        parent_run_id=None,
+        tracking_uri=uri,
+        start_ms=1_700_000_000_000,
+    )
+    spool.write("params", params={"training.steps": "3"})
+    for step in (1, 2, 3):
+        spool.write(
+            "metrics", step=step, time_ms=1_700_000_000_000 + step, values={"loss": 1 / step}
+        )
+    if end:
+        spool.write("end", status="FINISHED", end_ms=1_700_000_009_000)
+    spool.close()
+    return spool.path, spool
+
+
+def run_of(uri: str, experiment: str = "qwentitan-test"):
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return client, run
+
+
+def ours(err: str) -> str:
+    """Our lines of stderr (MLflow logs its own, e.g. when it creates a sqlite store)."""
+    return "\n".join(line for line in err.splitlines() if line.startswith("qwentitan-launch"))
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # closed again when the block ends: nothing listens
+
+
+def test_an_unreachable_store_is_one_sentence_with_bounded_waits(tmp_path, capsys, monkeypatch):
+    uri = f"http://127.0.0.1:{closed_port()}"
+    path, _ = write_spool(tmp_path / "run", uri)
+    before = path.read_bytes()
+    seen: list[dict[str, str | None]] = []
+    open_run = store.MlflowTarget.open_run
+
+    def spy(self, header):
+        seen.append({name: os.environ.get(name) for name in HTTP_VARIABLES})
+        return open_run(self, header)
+
+    monkeypatch.setattr(store.MlflowTarget, "open_run", spy)
+    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 2
+    out, err = capsys.readouterr()
+    line = err.strip()
+    assert "\n" not in line and "Traceback" not in out + err
+    assert line == (
+        f"qwentitan-launch sync-mlflow: MLflow at {uri} cannot be used (connection refused; "
+        "each request waits at most 10 s, retried twice); start the tracking server or pass "
+        "--tracking-uri, then run sync-mlflow again (the spool is kept)."
+    )
+    # The requests ran under training's bounds (MLflow's defaults: 120 s, 7 retries, factor 2)...
+    assert seen == [dict(zip(HTTP_VARIABLES, ("10", "2", "1"), strict=True))]
+    # ...which are not left behind in this process, and the spool is untouched.
+    assert all(name not in os.environ for name in HTTP_VARIABLES)
+    assert path.read_bytes() == before
+
+
+def test_a_users_own_http_settings_win(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = f"http://127.0.0.1:{closed_port()}"
+    write_spool(tmp_path / "run", uri)
+    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 2
+    assert "cannot be used (connection refused" in capsys.readouterr().err
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+
+
+def test_damaged_lines_are_skipped_reported_and_the_run_ends(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path, _ = write_spool(tmp_path / "run", uri)
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = b'{"kind": "metrics", "seq": 2, "step": 1, "time_ms": 1, "val'  # torn mid-file
+    lines[3] = b'{"kind": "metrics", "seq": 3, "step": 2, "time_ms": 1}'  # no values
+    path.write_bytes(b"\n".join(lines))
+    damaged = path.read_bytes()
+
+    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 1
+    out, err = capsys.readouterr()
+    client, run = run_of(uri)
+    assert run.info.status == "FINISHED"  # the end record survived
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [3]
+    assert run.data.params == {"training.steps": "3"}
+    assert out.strip() == (
+        f"run {run.info.run_id}: 1 metric points added, 0 already there; 1 params and "
+        "0 artifacts added; run ended FINISHED"
+    )
+    assert ours(err) == (
+        f"qwentitan-launch sync-mlflow: skipped damaged spool line(s) 3, 4 of run "
+        f"{run.info.run_id}; what they held is not in MLflow, everything else is."
+    )
+    assert path.read_bytes() == damaged  # input is never modified
+    assert load_spool(path).damaged_lines == (3, 4)
+
+
+def test_a_spool_without_an_end_leaves_its_run_failed_not_running(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path, _ = write_spool(tmp_path / "run", uri, end=False)
+    with path.open("ab") as spool:
+        spool.write(b'{"kind": "metrics", "seq": 5, "st')  # the process died mid-write
+    assert cli.main(["sync-mlflow", str(path)]) == 0  # a torn last line is no damage
+    out, err = capsys.readouterr()
+    client, run = run_of(uri)
+    assert run.info.status == "FAILED" and ours(err) == ""
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
+    assert out.strip().endswith(
+        "3 metric points added, 0 already there; 1 params and 0 artifacts added; run ended FAILED"
+    )
+    assert cli.main(["sync-mlflow", str(path)]) == 0  # twice: nothing added, still FAILED
+    assert "0 metric points added, 3 already there" in capsys.readouterr().out
+    assert run_of(uri)[1].info.status == "FAILED"
+
+
+def test_a_damaged_first_line_is_refused_in_one_sentence(tmp_path, capsys):
+    path, _ = write_spool(tmp_path / "run", f"sqlite:///{tmp_path / 'unused.db'}")
+    path.write_bytes(b"\x00garbage\n" + path.read_bytes().split(b"\n", 1)[1])
+    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(
+        f"qwentitan-launch sync-mlflow: {path} does not start with a run record"
+    )
+    assert not (tmp_path / "unused.db").exists()
