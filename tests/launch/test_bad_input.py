@@ -247,12 +247,12 @@ def test_a_damaged_latest_checkpoint_points_at_the_newest_good_one(tmp_path):
 
 
 def test_run_refuses_a_damaged_checkpoint_it_would_resume(capsys, in_tmp, monkeypatch):
-    from qwentitan.launch.commands import run as run_command
+    from qwentitan.launch import preemption
 
     def never(*_):
         raise AssertionError("torchrun was started")
 
-    monkeypatch.setattr(run_command, "supervise", never)
+    monkeypatch.setattr(preemption, "supervise", never)
     step = save_checkpoint(in_tmp / "out" / "checkpoint" / "step-1", SMALL)
     what = _truncated_metadata(step)
     before = snapshot(in_tmp)

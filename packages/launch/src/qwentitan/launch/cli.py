@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from qwentitan.launch import commands
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.flags import OneLineErrorParser
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -31,11 +32,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="qwentitan-launch",
         description="Plan, check and run Qwen3 training with torchtitan (Trainium2, CUDA or CPU).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser
+    )
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
         command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)

@@ -2,8 +2,8 @@
 
 `whole_number(low, high)` is the `type=` of every numeric flag, so `--seq-len 0`, `--port 99999`
 or `--grace-seconds -5` are refused by argparse itself, before a plan is resolved or a rank
-starts. `one_line_errors(parser)` makes such a refusal one line on stderr with exit code 2, the
-same shape as a `LaunchError` (argparse would print the whole usage block first).
+starts. The CLI's parsers are `OneLineErrorParser`s: such a refusal is one line on stderr with
+exit code 2, the same shape as a `LaunchError`.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ non_negative = whole_number(0)
 port = whole_number(1, MAX_PORT)
 
 
-def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """Make the usage errors of this (sub)command one line on stderr and exit code 2."""
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit code 2.
 
-    def error(message: str) -> NoReturn:
+    argparse would print the whole usage block first; this gives the same shape as a
+    `LaunchError`. `error` is the method argparse documents for overriding.
+    """
+
+    def error(self, message: str) -> NoReturn:
         if not message.endswith("."):
-            message += f"; see {parser.prog} --help."
-        parser.exit(2, f"{parser.prog}: {message}\n")
-
-    # argparse documents `error` as the method to override; the subparser objects are built by
-    # the CLI, so the override is set on the instance each command is handed.
-    parser.error = error  # type: ignore[method-assign]
+            message += f"; see {self.prog} --help."
+        self.exit(2, f"{self.prog}: {message}\n")

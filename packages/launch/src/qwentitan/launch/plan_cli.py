@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from qwentitan.launch.flags import one_line_errors, positive
+from qwentitan.launch.flags import positive
 from qwentitan.launch.plan import AC_MODES, DEFAULT_COMPILE_CACHE, LaunchPlan, resolve_plan
 from qwentitan.launch.topology import INSTANCES
 
 
 def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
     """The flags every command that resolves a plan accepts (plan, run, slurm, preflight)."""
-    one_line_errors(parser)
     parser.add_argument("--recipe", required=recipe_required, help="recipe function name")
     parser.add_argument(
         "--instance",

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qwentitan.launch.flags import one_line_errors
-
 NAME = "sync-mlflow"
 HELP = (
     "Replay the MLflow spool of a training run folder into MLflow (after the server was slow or "
@@ -16,7 +14,6 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    one_line_errors(parser)
     parser.add_argument(
         "run_dir", metavar="RUN_DIR", help="the run's dump_folder, or one spool .jsonl file in it"
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.flags import one_line_errors, positive
+from qwentitan.launch.flags import positive
 from qwentitan.launch.recipes import get_recipe, recipe_names
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    one_line_errors(parser)
     parser.add_argument(
         "--recipe", default="tiny_dense", help=f"one of {', '.join(recipe_names())}"
     )
