@@ -81,8 +81,8 @@ def test_two_nodes_of_one_rank_train_the_tiny_moe_recipe(tmp_path, free_port):
     assert len(shards) == 2, shards
     # The MoE trained end to end: its routed experts and router are in the checkpoint.
     saved = FileSystemReader(checkpoint / "step-3").read_metadata().state_dict_metadata
-    assert any(".moe.experts." in key for key in saved), sorted(saved)[:20]
-    assert any(".moe.router." in key for key in saved), sorted(saved)[:20]
+    assert any(".moe.routed_experts." in key for key in saved), sorted(saved)[:20]
+    assert any(".moe.router.gate." in key for key in saved), sorted(saved)[:20]
 
 
 def _ranks(run_pid: int) -> list[psutil.Process]:
