@@ -127,19 +127,16 @@ def test_one_run_with_one_point_per_step_summary_params_tags_and_config(tmp_path
     assert artifacts == ["config/resolved_config.json"]
 
 
-def test_cost_per_million_tokens_from_catalogue_override_or_nothing(monkeypatch):
-    monkeypatch.delenv("QWENTITAN_PRICE_PER_HOUR", raising=False)
+def test_cost_per_million_tokens_from_catalogue_config_or_nothing():
     assert hourly_price("trn2.48xlarge")[0] > 0
     assert hourly_price("local") is None
-    monkeypatch.setenv("QWENTITAN_PRICE_PER_HOUR", "36")
-    assert hourly_price("local") == (36.0, "environment")
-    assert hourly_price("local", override=72.0) == (72.0, "config")
+    assert hourly_price("local", configured=72.0) == (72.0, "config")
+    assert hourly_price("trn2.48xlarge", configured=72.0) == (72.0, "config")
+    with pytest.raises(LaunchError, match="give a positive USD figure"):
+        hourly_price("local", configured=0.0)
     # 36 USD/h at 10,000 tokens/s: 36 / 36e6 tokens * 1e6 = 1 USD per million tokens
     assert cost_per_million_tokens(36.0, 10_000.0) == pytest.approx(1.0)
     assert cost_per_million_tokens(36.0, 10_000.0, instances=2) == pytest.approx(2.0)
-    monkeypatch.setenv("QWENTITAN_PRICE_PER_HOUR", "cheap")
-    with pytest.raises(LaunchError, match="not a number"):
-        hourly_price("local")
 
 
 def test_priced_run_logs_cost_and_unpriced_run_does_not(tmp_path, sqlite_uri, monkeypatch):
@@ -243,16 +240,17 @@ def test_a_torn_last_line_is_ignored_but_a_damaged_middle_is_reported(tmp_path):
 
 def test_recipes_get_tracking_per_step_and_an_off_switch(monkeypatch):
     from qwentitan.launch.tracking import TrackedMetrics, tracked_metrics
-    from qwentitan.launch.tracking.logger import experiment_name
 
     monkeypatch.delenv("QWENTITAN_MLFLOW", raising=False)
+    monkeypatch.delenv("QWENTITAN_MLFLOW_EXPERIMENT", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     config = tracked_metrics("tiny_moe", "native")
     assert isinstance(config, TrackedMetrics.Config) and config.log_freq == 1
     assert config.mlflow.enable and config.mlflow.recipe == "tiny_moe"
+    # one experiment per recipe family, written into the config itself
+    assert config.mlflow.experiment == tracked_metrics("tiny_dense", "native").mlflow.experiment
+    assert config.mlflow.experiment == "qwentitan-tiny"
     monkeypatch.setenv("QWENTITAN_MLFLOW", "off")
     assert not tracked_metrics("tiny_moe", "native").mlflow.enable
-    monkeypatch.delenv("QWENTITAN_MLFLOW_EXPERIMENT", raising=False)
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-    assert experiment_name("tiny_moe") == experiment_name("tiny_dense") == "qwentitan-tiny"
     monkeypatch.setenv("QWENTITAN_MLFLOW_EXPERIMENT", "mine")
-    assert experiment_name("tiny_moe") == "mine"
+    assert tracked_metrics("tiny_moe", "native").mlflow.experiment == "mine"

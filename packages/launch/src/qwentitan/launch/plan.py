@@ -169,22 +169,25 @@ class LaunchPlan:
 
 
 def recipe_names() -> list[str]:
-    """Recipe names of the registry module (its `recipe_names()`, else its public functions)."""
+    """Our recipe registry's names; for another registry module (tests plan torchtitan's own
+    qwen3 registry), its public functions."""
     import importlib
 
+    from qwentitan.launch import recipes
+
+    if recipes.__name__ == RECIPES_MODULE:
+        return recipes.recipe_names()
     module = importlib.import_module(RECIPES_MODULE)
-    if callable(listed := getattr(module, "recipe_names", None)):
-        return list(listed())
     names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
     return sorted(n for n in names if n[0].islower())
 
 
 def default_instance(recipe: str) -> str:
     """trn2 recipes target a trn2.48xlarge; the others this host (cuda if it has GPUs, else cpu)."""
-    from qwentitan.launch.recipes import TRN2_RECIPES
+    from qwentitan.launch.recipes import recipe_info, recipe_names
 
-    if recipe in TRN2_RECIPES:
-        return "trn2.48xlarge"
+    if recipe in recipe_names() and (instance := recipe_info(recipe).instance):
+        return instance
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

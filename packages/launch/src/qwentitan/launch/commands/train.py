@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive,
         help="validation loss every N steps (default: the recipe's)",
     )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="-- OVERRIDE",
+        help="after `--`: torchtitan config overrides for every rank, checked before they start, "
+        "e.g. `-- --metrics.mlflow.run_name try-1 --metrics.mlflow.experiment mine`",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     ranks = args.ranks if args.ranks is not None else min(2, platform.max_ranks)
     platform.check_ranks(ranks)
     config = recipe()  # builds the cached offline assets once, before the ranks need them
+    if args.overrides:
+        from qwentitan.launch.plan import load_config
+
+        load_config(args.recipe, args.overrides)  # torchtitan's parser refuses a bad one here
 
     steps = args.steps if args.steps is not None else config.training.steps
     seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
@@ -133,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in overrides.items():
         if value is not None:
             command += [flag, str(value)]
+    command += args.overrides  # last, so a user's own override wins
     print(
         f"qwentitan-launch train: {args.recipe} on {ranks} {platform.name} rank(s), {steps} steps, "
         f"seq len {seq_len}, run folder {run_dir}",

@@ -12,6 +12,7 @@ first access, which is also how torchtitan's `--config NAME` finds them (`getatt
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -20,32 +21,73 @@ from qwentitan.launch.errors import LaunchError
 if TYPE_CHECKING:
     from torchtitan.trainer import Trainer
 
-# recipe name -> module holding the function of that name
+_TINY = "qwentitan.launch.recipes.tiny"
+_TRN2 = "qwentitan.launch.recipes.trn2"
+TRN2_INSTANCE = "trn2.48xlarge"
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What the launcher, the planner and the pilot need to know of a recipe without building it."""
+
+    name: str
+    module: str
+    """The module holding the recipe function of this name."""
+    path: str
+    """Implementation path: hf, native or moe-kernels (tagged on its MLflow runs)."""
+    instance: str | None = None
+    """The instance type it is sized for; None: whatever host runs it."""
+    pilot: bool = False
+    """The tiny run of its path in the pilot (one per path)."""
+
+
 _RECIPES = {
-    "tiny_dense": "qwentitan.launch.recipes.tiny",
-    "tiny_hf": "qwentitan.launch.recipes.tiny",
-    "tiny_moe": "qwentitan.launch.recipes.tiny",
-    "tiny_moe_kernels": "qwentitan.launch.recipes.tiny",
-    "qwen3_4b_hf": "qwentitan.launch.recipes.trn2",
-    "qwen3_4b_native": "qwentitan.launch.recipes.trn2",
-    "qwen3_moe_kernels": "qwentitan.launch.recipes.trn2",
+    recipe.name: recipe
+    for recipe in (
+        Recipe("tiny_dense", _TINY, "native", pilot=True),
+        Recipe("tiny_hf", _TINY, "hf", pilot=True),
+        Recipe("tiny_moe", _TINY, "native"),
+        Recipe("tiny_moe_kernels", _TINY, "moe-kernels", pilot=True),
+        Recipe("qwen3_4b_hf", _TRN2, "hf", TRN2_INSTANCE),
+        Recipe("qwen3_4b_native", _TRN2, "native", TRN2_INSTANCE),
+        Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", TRN2_INSTANCE),
+    )
 }
 # The recipes written for one trn2.48xlarge (the others train on this host).
-TRN2_RECIPES = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
-_OTHER_EXPORTS = {"metrics_config": "qwentitan.launch.recipes.tiny"}
+TRN2_RECIPES = tuple(name for name, r in _RECIPES.items() if r.instance == TRN2_INSTANCE)
+_OTHER_EXPORTS = {"metrics_config": _TINY}
 
-__all__ = ["TRN2_RECIPES", "get_recipe", "recipe_names", *sorted(_OTHER_EXPORTS), *_RECIPES]
+__all__ = [
+    "TRN2_RECIPES",
+    "Recipe",
+    "get_recipe",
+    "pilot_recipes",
+    "recipe_info",
+    "recipe_names",
+    *sorted(_OTHER_EXPORTS),
+    *_RECIPES,
+]
 
 
 def recipe_names() -> list[str]:
     return sorted(_RECIPES)
 
 
-def get_recipe(name: str) -> Callable[[], Trainer.Config]:
-    """The recipe function called `name`; a one-sentence error naming the choices otherwise."""
+def recipe_info(name: str) -> Recipe:
+    """The registry entry of `name`; a one-sentence error naming the choices otherwise."""
     if name not in _RECIPES:
         raise LaunchError(f"Unknown recipe {name!r}; choose one of {', '.join(recipe_names())}.")
-    return getattr(import_module(_RECIPES[name]), name)
+    return _RECIPES[name]
+
+
+def get_recipe(name: str) -> Callable[[], Trainer.Config]:
+    """The recipe function called `name` (its module imported now)."""
+    return getattr(import_module(recipe_info(name).module), name)
+
+
+def pilot_recipes() -> dict[str, str]:
+    """Implementation path -> the tiny recipe the pilot trains for it."""
+    return {r.path: r.name for r in _RECIPES.values() if r.pilot}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,7 @@ from torchtitan.config.configs import CommConfig, DebugConfig
 
 from qwentitan.launch.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
 from qwentitan.launch.platforms import current_platform
+from qwentitan.launch.recipes import recipe_info
 from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.launch.trainer import Trainer
 from qwentitan.modeling import get_flavor, model_spec
@@ -29,13 +30,14 @@ SEED = 0
 
 
 def metrics_config(recipe: str = "", path: str = "") -> MetricsProcessor.Config:
-    """Console metrics every step, and MLflow from the metrics rank ($QWENTITAN_MLFLOW=off: none).
-    The one place recipes build metrics."""
+    """Console metrics every step, and MLflow from the metrics rank (`--metrics.mlflow.no-enable`
+    or $QWENTITAN_MLFLOW=off: none). The one place recipes build metrics."""
     return tracked_metrics(recipe, path)
 
 
-def _tiny(name: str, flavor: str, *, path: str = "native", lr: float) -> Trainer.Config:
+def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
     platform = current_platform()
+    path = recipe_info(name).path
     # The platform names the attention that trains there (SDPA on CPU: FlexAttention has no
     # CPU backward); qwentitan.modeling builds the model with it.
     spec = model_spec(get_flavor(flavor), path, attn_backend=platform.attention)
@@ -102,9 +104,9 @@ def tiny_moe() -> Trainer.Config:
 
 def tiny_moe_kernels() -> Trainer.Config:
     """`tiny_moe` with qwentitan.kernels' RoPE, attention and grouped experts (`moe-kernels`)."""
-    return _tiny("tiny_moe_kernels", "tiny-moe", path="moe-kernels", lr=1e-2)
+    return _tiny("tiny_moe_kernels", "tiny-moe", lr=1e-2)
 
 
 def tiny_hf() -> Trainer.Config:
     """`tiny_dense` built as the Transformers v5 model (`hf` path) instead of torchtitan's."""
-    return _tiny("tiny_hf", "tiny-dense", path="hf", lr=1e-2)
+    return _tiny("tiny_hf", "tiny-dense", lr=1e-2)

@@ -5,19 +5,20 @@ Each is a torchtitan config-registry function (`--module qwentitan.launch.recipe
 all of them. None of them has been run on Trainium (see the README); `qwentitan-launch plan`
 and `preflight` check them on any host.
 
-Local folders (a trn2 host has them on its own disk; nothing is downloaded at run time):
+Local folders (a trn2 host has them on its own disk; nothing is downloaded at run time) are
+torchtitan's own `hf_assets_path`, and for `qwen3_4b_hf` also `checkpoint.initial_load_path`
+(the weights it starts from); override them per run with `--hf_assets_path DIR` (and
+`--checkpoint.initial_load_path DIR`, absolute). Their defaults:
 
-- `QWENTITAN_QWEN3_4B_DIR` (default `./assets/hf/Qwen3-4B-Instruct-2507`): the Hugging Face
+- `$QWENTITAN_QWEN3_4B_DIR`, else `./assets/hf/Qwen3-4B-Instruct-2507`: the Hugging Face
   model folder of Qwen3-4B-Instruct-2507 (config.json, tokenizer.json, safetensors).
-- `QWENTITAN_QWEN3_30B_A3B_DIR` (default `./assets/hf/Qwen3-30B-A3B`): its tokenizer is
+- `$QWENTITAN_QWEN3_30B_A3B_DIR`, else `./assets/hf/Qwen3-30B-A3B`: its tokenizer is
   used by the MoE recipe, whose weights start from a random initialisation.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields
-from pathlib import Path
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -26,7 +27,8 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
-from qwentitan.launch.recipes import TRN2_RECIPES
+from qwentitan.launch import env_defaults
+from qwentitan.launch.recipes import TRN2_RECIPES, recipe_info
 from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.launch.trainer import Trainer
 
@@ -34,23 +36,25 @@ __all__ = ["TRN2_RECIPES", "qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"
 
 
 def qwen3_4b_folder() -> str:
-    # Absolute: torchtitan requires it for `initial_load_path`.
-    folder = os.environ.get("QWENTITAN_QWEN3_4B_DIR", "./assets/hf/Qwen3-4B-Instruct-2507")
-    return str(Path(folder).expanduser().resolve())
+    return env_defaults.model_folder("QWENTITAN_QWEN3_4B_DIR")
 
 
 def qwen3_30b_a3b_folder() -> str:
-    folder = os.environ.get("QWENTITAN_QWEN3_30B_A3B_DIR", "./assets/hf/Qwen3-30B-A3B")
-    return str(Path(folder).expanduser().resolve())
+    return env_defaults.model_folder("QWENTITAN_QWEN3_30B_A3B_DIR")
 
 
-def _model_spec(flavor: str, path: str):
+def _model_spec(flavor: str, recipe: str):
     from qwentitan.launch.platforms import get_platform
     from qwentitan.modeling import model_spec
 
     # The attention that trains on Trainium (SDPA: no Inductor there, so no FlexAttention),
     # whatever host the plan is made on.
+    path = recipe_info(recipe).path
     return model_spec(flavor, path, attn_backend=get_platform("neuron").attention)
+
+
+def _metrics(recipe: str):
+    return tracked_metrics(recipe, recipe_info(recipe).path)
 
 
 def _ours(config) -> Trainer.Config:
@@ -72,12 +76,12 @@ def qwen3_4b_hf() -> Trainer.Config:
     HF weights loaded at the start and the final model written back as HF safetensors.
     """
     folder = qwen3_4b_folder()
-    spec = _model_spec("qwen3-4b", "hf")
+    spec = _model_spec("qwen3-4b", "qwen3_4b_hf")
     return Trainer.Config(
         model_spec=spec,
         hf_assets_path=folder,
         loss=_loss("qwen3-4b"),
-        metrics=tracked_metrics("qwen3_4b_hf", "hf"),
+        metrics=_metrics("qwen3_4b_hf"),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),
         training=TrainingConfig(local_batch_size=1, seq_len=4096, steps=10, dtype="float32"),
         # the hf path shards with the flattened "fsdp" mesh only partial_dtensor builds
@@ -102,8 +106,8 @@ def qwen3_4b_hf() -> Trainer.Config:
 def qwen3_4b_native() -> Trainer.Config:
     """torchtitan's Qwen3 from its own 32B recipe, overridden to the 4B flavor, global batch 64."""
     config = _ours(torchtitan_qwen3.qwen3_32b())
-    config.model_spec = _model_spec("qwen3-4b", "native")
-    config.metrics = tracked_metrics("qwen3_4b_native", "native")
+    config.model_spec = _model_spec("qwen3-4b", "qwen3_4b_native")
+    config.metrics = _metrics("qwen3_4b_native")
     config.loss = _loss("qwen3-4b")
     config.hf_assets_path = qwen3_4b_folder()
     config.training.local_batch_size = 1
@@ -118,8 +122,8 @@ def qwen3_moe_kernels() -> Trainer.Config:
     """Qwen3-30B-A3B cut to 4 layers (64 experts, top-4) in eager mode with qwentitan's custom
     ops for experts, attention and RoPE (NKI on Trainium, reference twins elsewhere)."""
     config = _ours(torchtitan_qwen3.qwen3_30b_a3b())
-    config.model_spec = _model_spec("qwen3-30b-a3b-4l", "moe-kernels")
-    config.metrics = tracked_metrics("qwen3_moe_kernels", "moe-kernels")
+    config.model_spec = _model_spec("qwen3-30b-a3b-4l", "qwen3_moe_kernels")
+    config.metrics = _metrics("qwen3_moe_kernels")
     config.loss = _loss("qwen3-30b-a3b-4l")
     config.hf_assets_path = qwen3_30b_a3b_folder()
     config.compile = CompileConfig(enable=False)  # eager: the custom ops run as they are

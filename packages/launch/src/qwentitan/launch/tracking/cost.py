@@ -1,19 +1,17 @@
 """Cost per million tokens, so runs on different hardware compare by money as well as speed.
 
 The catalogue is a small, dated list of on-demand Linux prices (USD per instance-hour,
-us-east-1). Prices change: the date says how old a figure is, and a flag
-(`MLflowLogger.Config.price_per_hour`) or `$QWENTITAN_PRICE_PER_HOUR` overrides it.
+us-east-1). Prices change: the date says how old a figure is, and
+`MLflowLogger.Config.price_per_hour` (`--metrics.mlflow.price_per_hour`, default
+`$QWENTITAN_PRICE_PER_HOUR`) overrides it.
 An instance with no price gets no cost metric rather than a made-up one.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from qwentitan.launch.errors import LaunchError
-
-PRICE_ENV = "QWENTITAN_PRICE_PER_HOUR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,19 +35,10 @@ CATALOGUE: dict[str, InstancePrice] = {
 }
 
 
-def hourly_price(instance_type: str, override: float | None = None) -> tuple[float, str] | None:
+def hourly_price(instance_type: str, configured: float | None = None) -> tuple[float, str] | None:
     """(USD per instance-hour, where the figure came from), or None when nothing is known."""
-    if override is not None:
-        return _checked(override, "the price_per_hour setting"), "config"
-    if os.environ.get(PRICE_ENV):
-        try:
-            value = float(os.environ[PRICE_ENV])
-        except ValueError:
-            raise LaunchError(
-                f"${PRICE_ENV}={os.environ[PRICE_ENV]!r} is not a number; set it to the "
-                "instance's hourly price in USD, e.g. 44.70, or unset it."
-            ) from None
-        return _checked(value, f"${PRICE_ENV}"), "environment"
+    if configured is not None:
+        return _checked(configured), "config"
     entry = CATALOGUE.get(instance_type)
     if entry is None:
         return None
@@ -65,9 +54,10 @@ def cost_per_million_tokens(
     return usd_per_hour * instances / (tokens_per_second * 3600.0) * 1e6
 
 
-def _checked(value: float, where: str) -> float:
+def _checked(value: float) -> float:
     if not value > 0:
         raise LaunchError(
-            f"The hourly price from {where} is {value}; give a positive USD figure or none at all."
+            f"The hourly price is {value} (metrics.mlflow.price_per_hour, default "
+            "$QWENTITAN_PRICE_PER_HOUR); give a positive USD figure or none at all."
         )
     return value

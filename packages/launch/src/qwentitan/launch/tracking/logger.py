@@ -15,13 +15,14 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtitan.components.metrics import BaseLogger
 from torchtitan.config import Configurable
 
+from qwentitan.launch import env_defaults
 from qwentitan.launch.tracking import context, cost
 from qwentitan.launch.tracking.names import flatten_config, metric_name
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
@@ -31,7 +32,6 @@ from qwentitan.launch.tracking.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 REPORTS_FOLDER = "reports"
 
 # Loggers open in this process, so `attach_report` can reach a live run.
@@ -40,21 +40,12 @@ _ACTIVE_LOCK = threading.Lock()
 
 
 def resolve_tracking_uri(configured: str | None = None) -> str:
-    """The config's URI, else `$MLFLOW_TRACKING_URI`, else `./mlflow.db` made absolute."""
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    if uri == DEFAULT_TRACKING_URI:
-        # Absolute, so a later `cd` (or a child process) still finds the same store.
-        uri = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    return uri
+    """The given URI, else the default: `$MLFLOW_TRACKING_URI`, else `<cwd>/mlflow.db`."""
+    return configured or env_defaults.tracking_uri()
 
 
-def experiment_name(recipe: str, configured: str | None = None) -> str:
+def experiment_name(recipe: str) -> str:
     """One experiment per recipe family: `tiny_dense` and `tiny_moe` both land in `qwentitan-tiny`."""
-    if configured:
-        return configured
-    for variable in ("QWENTITAN_MLFLOW_EXPERIMENT", "MLFLOW_EXPERIMENT_NAME"):
-        if os.environ.get(variable):
-            return os.environ[variable]
     family = recipe.split("_", 1)[0] if recipe else "runs"
     return f"qwentitan-{family}"
 
@@ -62,20 +53,23 @@ def experiment_name(recipe: str, configured: str | None = None) -> str:
 class MLflowLogger(BaseLogger, Configurable):
     @dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
-        enable: bool = True
-        """Log to MLflow from the metrics rank (a spool is written either way when enabled)."""
+        # Defaults come from the environment (env_defaults, read when the config is built);
+        # torchtitan's overrides (--metrics.mlflow.FIELD) set them per run.
+        enable: bool = field(default_factory=env_defaults.mlflow_enabled)
+        """Log to MLflow from the metrics rank (spool first); default off if $QWENTITAN_MLFLOW=off."""
 
-        tracking_uri: str | None = None
-        """None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory."""
+        tracking_uri: str = field(default_factory=env_defaults.tracking_uri)
+        """MLflow store; default $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db."""
 
-        experiment: str | None = None
-        """None: $QWENTITAN_MLFLOW_EXPERIMENT / $MLFLOW_EXPERIMENT_NAME, else qwentitan-<family>."""
+        experiment: str | None = field(default_factory=env_defaults.experiment)
+        """Default $QWENTITAN_MLFLOW_EXPERIMENT / $MLFLOW_EXPERIMENT_NAME; None: qwentitan-<family>."""
 
-        run_name: str | None = None
-        """None: $QWENTITAN_MLFLOW_RUN_NAME, else <recipe>-<time>."""
+        run_name: str | None = field(default_factory=env_defaults.run_name)
+        """Default $QWENTITAN_MLFLOW_RUN_NAME; None: <recipe>-<time>."""
 
-        parent_run_id: str | None = None
-        """None: $QWENTITAN_MLFLOW_PARENT_RUN_ID (set by the pilot), else a top-level run."""
+        parent_run_id: str | None = field(default_factory=env_defaults.parent_run_id)
+        """Nest the run under this MLflow run (the pilot sets it); default
+        $QWENTITAN_MLFLOW_PARENT_RUN_ID; None: a top-level run."""
 
         recipe: str = ""
         """Recipe name, e.g. tiny_dense; its prefix names the experiment."""
@@ -83,8 +77,8 @@ class MLflowLogger(BaseLogger, Configurable):
         path: str = ""
         """Implementation path: hf, native or moe-kernels."""
 
-        price_per_hour: float | None = None
-        """USD per instance-hour; None: $QWENTITAN_PRICE_PER_HOUR, else the dated catalogue."""
+        price_per_hour: float | None = field(default_factory=env_defaults.price_per_hour)
+        """USD per instance-hour; default $QWENTITAN_PRICE_PER_HOUR; None: the dated catalogue."""
 
         close_timeout_s: float = 30.0
         """Longest wait at the end of training for MLflow to confirm; the spool keeps the rest."""
@@ -139,11 +133,9 @@ class MLflowLogger(BaseLogger, Configurable):
         self.spool.write(
             "run",
             run_key=self.run_key,
-            experiment=experiment_name(config.recipe, config.experiment),
-            run_name=config.run_name
-            or os.environ.get("QWENTITAN_MLFLOW_RUN_NAME")
-            or f"{config.recipe or 'run'}-{stamp}",
-            parent_run_id=config.parent_run_id or os.environ.get("QWENTITAN_MLFLOW_PARENT_RUN_ID"),
+            experiment=config.experiment or experiment_name(config.recipe),
+            run_name=config.run_name or f"{config.recipe or 'run'}-{stamp}",
+            parent_run_id=config.parent_run_id,
             tracking_uri=self.tracking_uri,
             start_ms=now_ms(),
         )

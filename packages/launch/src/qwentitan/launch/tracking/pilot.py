@@ -1,10 +1,11 @@
 """The pilot: the three implementation paths at tiny scale, as child runs of one MLflow parent.
 
-`uv run nox -s pilot [-- --steps 20 --ranks 2]` trains `tiny_hf` (hf), `tiny_dense` (native)
-and `tiny_moe_kernels` (moe-kernels) with `qwentitan-launch train`, each a child of one parent
-run in the `qwentitan-pilot` experiment, with the same metric names, so the MLflow UI
-(`uv run nox -s mlflow_ui`) compares them side by side. A path whose recipe is missing is
-skipped and named on the parent run (tag `pilot.skipped`).
+`uv run nox -s pilot [-- --steps 20 --ranks 2]` trains the tiny recipe of each path that the
+recipe registry marks for the pilot (`tiny_hf`, `tiny_dense`, `tiny_moe_kernels`) with
+`qwentitan-launch train`, each a child of one parent run in the `qwentitan-pilot` experiment,
+with the same metric names, so the MLflow UI (`uv run nox -s mlflow_ui`) compares them side by
+side. The parent, experiment and run name reach each training as torchtitan overrides
+(`train ... -- --metrics.mlflow.parent_run_id ID ...`), not through the environment.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.recipes import pilot_recipes
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
 from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
 
-# Implementation path -> the tiny recipe that trains it.
-PILOT_RECIPES = {"hf": "tiny_hf", "native": "tiny_dense", "moe-kernels": "tiny_moe_kernels"}
 PILOT_EXPERIMENT = "qwentitan-pilot"
 _COLUMNS = (
     "summary/final_loss",
@@ -37,7 +37,6 @@ _COLUMNS = (
 class Pilot:
     parent_run_id: str
     children: dict[str, str]  # path -> run id
-    skipped: dict[str, str]  # path -> why (no such recipe)
     failed: list[str]  # paths whose training exited with an error
     tracking_uri: str
 
@@ -57,34 +56,19 @@ def run_pilot(
         {"run_key": uuid.uuid4().hex, "experiment": experiment, "run_name": f"pilot-{stamp}",
          "start_ms": now_ms()}
     )  # fmt: skip
-    recipes = _available_recipes()
-    skipped = {
-        path: f"recipe {recipe} does not exist on this branch"
-        for path, recipe in PILOT_RECIPES.items()
-        if recipe not in recipes
-    }
+    recipes = pilot_recipes()
     target.log(
         parent,
         params={"steps": str(steps), "ranks": str(ranks)},
-        tags={"pilot.paths": ",".join(PILOT_RECIPES), "pilot.skipped": ",".join(skipped) or "none"},
+        tags={"pilot.paths": ",".join(recipes)},
     )
     failed = []
-    for path, recipe in PILOT_RECIPES.items():
-        if path in skipped:
-            print(f"pilot: skipping {path}: {skipped[path]}", flush=True)
-            continue
-        env = dict(os.environ)
-        env.update(
-            QWENTITAN_MLFLOW="on",  # the pilot exists to compare runs in MLflow
-            MLFLOW_TRACKING_URI=uri,
-            QWENTITAN_MLFLOW_EXPERIMENT=experiment,
-            QWENTITAN_MLFLOW_PARENT_RUN_ID=parent,
-            QWENTITAN_MLFLOW_RUN_NAME=path,
-        )
+    for path, recipe in recipes.items():
         command = [sys.executable, "-m", "qwentitan.launch.cli", "train", "--recipe", recipe,
-                   "--steps", str(steps), "--ranks", str(ranks), "--run-dir", str(folder / path)]  # fmt: skip
+                   "--steps", str(steps), "--ranks", str(ranks), "--run-dir", str(folder / path),
+                   "--", *child_overrides(uri, experiment, parent, path)]  # fmt: skip
         print(f"pilot: {path} ({recipe})", flush=True)
-        if subprocess.run(command, env=env).returncode != 0:
+        if subprocess.run(command).returncode != 0:
             failed.append(path)
     children = {
         run.info.run_name: run.info.run_id
@@ -95,9 +79,7 @@ def run_pilot(
     }
     target.log(parent, tags={"pilot.failed": ",".join(failed) or "none"})
     target.end(parent, "FAILED" if failed else "FINISHED", now_ms())
-    missing = [
-        p for p in PILOT_RECIPES if p not in skipped and p not in failed and p not in children
-    ]
+    missing = [p for p in recipes if p not in failed and p not in children]
     if missing:
         raise LaunchError(
             f"The {', '.join(missing)} run(s) trained but logged no MLflow run under parent "
@@ -105,15 +87,18 @@ def run_pilot(
         )
     _print_table(target, children)
     print(f"pilot: parent run {parent} in {uri}; compare with `uv run nox -s mlflow_ui`")
-    return Pilot(parent, children, skipped, failed, uri)
+    return Pilot(parent, children, failed, uri)
 
 
-def _available_recipes() -> list[str]:
-    try:
-        from qwentitan.launch.recipes import recipe_names
-    except ImportError:
-        return []
-    return recipe_names()
+def child_overrides(uri: str, experiment: str, parent_run_id: str, run_name: str) -> list[str]:
+    """The torchtitan overrides that log one training as a child of the pilot's parent run."""
+    return [
+        "--metrics.mlflow.enable",  # the pilot exists to compare runs in MLflow
+        "--metrics.mlflow.tracking_uri", uri,
+        "--metrics.mlflow.experiment", experiment,
+        "--metrics.mlflow.parent_run_id", parent_run_id,
+        "--metrics.mlflow.run_name", run_name,
+    ]  # fmt: skip
 
 
 def _print_table(target: MlflowTarget, children: dict[str, str]) -> None:

@@ -10,7 +10,6 @@ platform's peak, with no MFU at all where no peak is known (CPU).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,7 @@ from torchtitan.components.metrics import (
 from torchtitan.distributed import ParallelDims
 
 from qwentitan.launch.tracking import context
-from qwentitan.launch.tracking.logger import MLflowLogger
+from qwentitan.launch.tracking.logger import MLflowLogger, experiment_name
 
 _GIB = 1024**3
 
@@ -136,12 +135,13 @@ def _platform_peak_flops() -> float | None:
 def tracked_metrics(recipe: str, path: str, **metrics: Any) -> TrackedMetrics.Config:
     """The metrics config a recipe sets: every step to the console and to MLflow.
 
-    `$QWENTITAN_MLFLOW=off` turns MLflow off (the console metrics stay), e.g. for tests.
+    The MLflow fields take their defaults from the environment (`env_defaults`;
+    `$QWENTITAN_MLFLOW=off` leaves the console metrics only) and the experiment from the
+    recipe's family; `--metrics.mlflow.FIELD VALUE` overrides any of them.
     """
-    enable = os.environ.get("QWENTITAN_MLFLOW", "on").lower() not in ("0", "off", "false", "no")
-    return TrackedMetrics.Config(
-        mlflow=MLflowLogger.Config(enable=enable, recipe=recipe, path=path), **metrics
-    )
+    mlflow = MLflowLogger.Config(recipe=recipe, path=path)
+    mlflow.experiment = mlflow.experiment or experiment_name(recipe)
+    return TrackedMetrics.Config(mlflow=mlflow, **metrics)
 
 
 def _run_tags(

@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+from qwentitan.launch import env_defaults
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.tracking.logger import REPORTS_FOLDER, resolve_tracking_uri
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, load_spool
@@ -43,10 +44,9 @@ def sync_run_dir(
         loaded = load_spool(spool)
         records = loaded.records
         base = spool.parent.parent if spool.parent.name == SPOOL_FOLDER else spool.parent
-        uri = (
-            tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or records[0].get("tracking_uri")
+        uri = resolve_tracking_uri(
+            tracking_uri or env_defaults.configured_tracking_uri() or records[0].get("tracking_uri")
         )
-        uri = resolve_tracking_uri(uri)
         if number == len(spools) - 1:
             records = records + _late_reports(records, base)
         try:
