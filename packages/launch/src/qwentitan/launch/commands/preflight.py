@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from qwentitan.launch import env_defaults
 from qwentitan.launch.plan_cli import add_plan_arguments, plan_from_args
 
 NAME = "preflight"
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mlflow",
         nargs="?",
-        const=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"),
+        const=env_defaults.tracking_uri(),  # the store training logs to
         help="attach the report to an MLflow run (tracking URI; default $MLFLOW_TRACKING_URI or "
         "sqlite:///mlflow.db; $MLFLOW_RUN_ID picks the run)",
     )

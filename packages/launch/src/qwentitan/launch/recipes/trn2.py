@@ -8,7 +8,8 @@ and `preflight` check them on any host.
 Local folders (a trn2 host has them on its own disk; nothing is downloaded at run time) are
 torchtitan's own `hf_assets_path`, and for `qwen3_4b_hf` also `checkpoint.initial_load_path`
 (the weights it starts from); override them per run with `--hf_assets_path DIR` (and
-`--checkpoint.initial_load_path DIR`, absolute). Their defaults:
+`--checkpoint.initial_load_path DIR`, absolute: torchtitan 0.3.0 loads initial weights only
+from that field, never from `hf_assets_path`, so one folder is two fields). Their defaults:
 
 - `$QWENTITAN_QWEN3_4B_DIR`, else `./assets/hf/Qwen3-4B-Instruct-2507`: the Hugging Face
   model folder of Qwen3-4B-Instruct-2507 (config.json, tokenizer.json, safetensors).
