@@ -18,12 +18,14 @@ SETTINGS_ENV = {
     "QWENTITAN_MLFLOW_RUN_NAME": "env-run",
     "QWENTITAN_MLFLOW_PARENT_RUN_ID": "env-parent",
     "QWENTITAN_PRICE_PER_HOUR": "12.5",
+    "QWENTITAN_INSTANCE_TYPE": "trn2.48xlarge",
 }
 
 
 def mlflow_fields(config) -> dict[str, object]:
     mlflow = config.metrics.mlflow
-    names = ("enable", "tracking_uri", "experiment", "run_name", "parent_run_id", "price_per_hour")
+    names = ("enable", "tracking_uri", "experiment", "run_name", "parent_run_id", "price_per_hour",
+             "instance_type")  # fmt: skip
     return {name: getattr(mlflow, name) for name in names}
 
 
@@ -37,12 +39,14 @@ def test_environment_gives_the_defaults_and_torchtitan_overrides_win(monkeypatch
         "run_name": "env-run",
         "parent_run_id": "env-parent",
         "price_per_hour": 12.5,
+        "instance_type": "trn2.48xlarge",
     }
     overridden = load_config(
         "tiny_dense",
         ["--metrics.mlflow.no-enable", "--metrics.mlflow.tracking_uri", "sqlite:////flag.db",
          "--metrics.mlflow.experiment", "flag-experiment", "--metrics.mlflow.run_name", "r",
-         "--metrics.mlflow.parent_run_id", "p", "--metrics.mlflow.price_per_hour", "3"],
+         "--metrics.mlflow.parent_run_id", "p", "--metrics.mlflow.price_per_hour", "3",
+         "--metrics.mlflow.instance_type", "p5.48xlarge"],
     )  # fmt: skip
     assert mlflow_fields(overridden) == {
         "enable": False,
@@ -51,6 +55,7 @@ def test_environment_gives_the_defaults_and_torchtitan_overrides_win(monkeypatch
         "run_name": "r",
         "parent_run_id": "p",
         "price_per_hour": 3.0,
+        "instance_type": "p5.48xlarge",
     }
 
 
@@ -65,6 +70,7 @@ def test_without_the_environment_the_defaults_are_local(monkeypatch, tmp_path):
         "run_name": None,
         "parent_run_id": None,
         "price_per_hour": None,
+        "instance_type": None,
     }
 
 

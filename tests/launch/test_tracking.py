@@ -15,7 +15,12 @@ from mlflow.utils.validation import validate_param_and_metric_name
 
 from qwentitan.launch.cli import main as launch_main
 from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.tracking import MLflowLogger, attach_report, cost_per_million_tokens
+from qwentitan.launch.tracking import (
+    CATALOGUE,
+    MLflowLogger,
+    attach_report,
+    cost_per_million_tokens,
+)
 from qwentitan.launch.tracking.cost import hourly_price
 from qwentitan.launch.tracking.names import flatten_config, metric_name
 from qwentitan.launch.tracking.spool import load_spool, read_spool
@@ -139,16 +144,22 @@ def test_cost_per_million_tokens_from_catalogue_config_or_nothing():
     assert cost_per_million_tokens(36.0, 10_000.0, instances=2) == pytest.approx(2.0)
 
 
-def test_priced_run_logs_cost_and_unpriced_run_does_not(tmp_path, sqlite_uri, monkeypatch):
-    monkeypatch.delenv("QWENTITAN_PRICE_PER_HOUR", raising=False)
+def test_priced_run_logs_cost_and_unpriced_run_does_not(tmp_path, sqlite_uri):
     priced = make_logger(tmp_path / "priced", sqlite_uri, price_per_hour=36.0)
-    unpriced = make_logger(tmp_path / "unpriced", sqlite_uri)
-    for logger in (priced, unpriced):
+    catalogued = make_logger(tmp_path / "trn2", sqlite_uri, instance_type="trn2.48xlarge")
+    unpriced = make_logger(tmp_path / "unpriced", sqlite_uri, instance_type="local")
+    for logger in (priced, catalogued, unpriced):
         train_with(logger)
         logger.close()
     client = MlflowClient(sqlite_uri)
     cost = client.get_run(priced.writer.run_id).data.metrics["summary/cost_usd_per_million_tokens"]
     assert cost == pytest.approx(36.0 / (2 * 1004.0 * 3600) * 1e6)
+    trn2 = client.get_run(catalogued.writer.run_id).data
+    assert trn2.tags["instance_type"] == "trn2.48xlarge"
+    assert trn2.tags["cost.price_source"].startswith("catalogue ")
+    assert trn2.metrics["summary/cost_usd_per_million_tokens"] == pytest.approx(
+        CATALOGUE["trn2.48xlarge"].usd_per_hour / (2 * 1004.0 * 3600) * 1e6
+    )
     assert (
         "summary/cost_usd_per_million_tokens"
         not in client.get_run(unpriced.writer.run_id).data.metrics

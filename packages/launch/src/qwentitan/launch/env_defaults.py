@@ -22,6 +22,7 @@ EXPERIMENT = ("QWENTITAN_MLFLOW_EXPERIMENT", "MLFLOW_EXPERIMENT_NAME")
 RUN_NAME = "QWENTITAN_MLFLOW_RUN_NAME"
 PARENT_RUN_ID = "QWENTITAN_MLFLOW_PARENT_RUN_ID"
 PRICE = "QWENTITAN_PRICE_PER_HOUR"
+INSTANCE_TYPE = "QWENTITAN_INSTANCE_TYPE"
 # trn2 recipe model folders: variable -> default (relative to the working directory)
 MODEL_FOLDERS = {
     "QWENTITAN_QWEN3_4B_DIR": "./assets/hf/Qwen3-4B-Instruct-2507",
@@ -62,6 +63,11 @@ def run_name() -> str | None:
 
 def parent_run_id() -> str | None:
     return _value(PARENT_RUN_ID)
+
+
+def instance_type() -> str | None:
+    """`$QWENTITAN_INSTANCE_TYPE` (e.g. trn2.48xlarge where DMI does not say), or None."""
+    return _value(INSTANCE_TYPE)
 
 
 def price_per_hour() -> float | None:

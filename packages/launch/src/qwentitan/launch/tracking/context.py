@@ -1,6 +1,6 @@
 """What a run ran on and with: the tags every tracked run carries.
 
-Everything here is read locally (package metadata, git, /sys, environment): nothing waits on
+Everything here is read locally (package metadata, git, /sys, torchrun's environment): nothing waits on
 the network, so building the tags cannot slow a training start.
 """
 
@@ -66,10 +66,11 @@ def git_commit(where: str | os.PathLike[str] | None = None) -> str:
     return commit.stdout.strip() + dirty
 
 
-def instance_type() -> str:
-    """`$QWENTITAN_INSTANCE_TYPE`, else the EC2 type from DMI, else "local"."""
-    if os.environ.get("QWENTITAN_INSTANCE_TYPE"):
-        return os.environ["QWENTITAN_INSTANCE_TYPE"]
+def instance_type(configured: str | None = None) -> str:
+    """The configured type (`MLflowLogger.Config.instance_type`), else the EC2 type from DMI,
+    else "local"."""
+    if configured:
+        return configured
     try:
         product = _DMI_PRODUCT.read_text().strip()
     except OSError:

@@ -77,6 +77,9 @@ class MLflowLogger(BaseLogger, Configurable):
         path: str = ""
         """Implementation path: hf, native or moe-kernels."""
 
+        instance_type: str | None = field(default_factory=env_defaults.instance_type)
+        """Tagged, and prices the run; default $QWENTITAN_INSTANCE_TYPE; None: EC2's DMI name."""
+
         price_per_hour: float | None = field(default_factory=env_defaults.price_per_hour)
         """USD per instance-hour; default $QWENTITAN_PRICE_PER_HOUR; None: the dated catalogue."""
 
@@ -111,7 +114,7 @@ class MLflowLogger(BaseLogger, Configurable):
         all_tags = {
             "recipe": config.recipe or "unknown",
             "path": config.path or "unknown",
-            "instance_type": context.instance_type(),
+            "instance_type": context.instance_type(config.instance_type),
             "world_size": str(world_size),
             "git_commit": context.git_commit(),
             **context.package_versions(),
