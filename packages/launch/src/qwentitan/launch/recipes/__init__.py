@@ -4,9 +4,12 @@ Use them through `qwentitan-launch train --recipe NAME` (tiny, this machine),
 `qwentitan-launch run --recipe NAME` (any instance, one node or many), or directly with
 torchtitan: `python -m torchtitan.train --module qwentitan.launch.recipes --config tiny_dense`.
 
-The registry names each recipe's module instead of importing it, so that listing the names
-(the CLI's `--help`, plan validation) never imports torch or torchtitan; the functions load on
-first access, which is also how torchtitan's `--config NAME` finds them (`getattr`).
+This is the one recipe registry: `train`, `plan` (and the commands built on it), the pilot and
+the recipes themselves read each recipe's entry (module, implementation path, the instance it is
+sized for, whether the pilot trains it) here. It names each recipe's module instead of importing
+it, so that listing the names (the CLI's `--help`, plan validation) never imports torch or
+torchtitan; the functions load on first access, which is also how torchtitan's `--config NAME`
+finds them (`getattr`).
 """
 
 from __future__ import annotations
