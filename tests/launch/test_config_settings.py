@@ -129,10 +129,18 @@ def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch,
     assert torchrun[-len(extra) :] == extra
 
 
-def test_train_refuses_a_bad_override_before_any_rank_starts(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        (["--metrics.mlflow.parent_runid", "abc"], "--metrics.mlflow.parent_runid"),
+        (["--metrics.mlflow.price_per_hour", "-3"], "metrics.mlflow.price_per_hour is -3.0"),
+    ],
+)
+def test_train_refuses_a_bad_override_before_any_rank_starts(
+    monkeypatch, tmp_path, capsys, override, named
+):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a rank started"))
-    argv = ["train", "--run-dir", str(tmp_path), "--", "--metrics.mlflow.parent_runid", "abc"]
-    assert cli.main(argv) == 2
+    assert cli.main(["train", "--run-dir", str(tmp_path), "--", *override]) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "\n" not in err.strip()
-    assert "--metrics.mlflow.parent_runid" in err
+    assert named in err

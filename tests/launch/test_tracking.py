@@ -137,8 +137,9 @@ def test_cost_per_million_tokens_from_catalogue_config_or_nothing():
     assert hourly_price("local") is None
     assert hourly_price("local", configured=72.0) == (72.0, "config")
     assert hourly_price("trn2.48xlarge", configured=72.0) == (72.0, "config")
-    with pytest.raises(LaunchError, match="give a positive USD figure"):
-        hourly_price("local", configured=0.0)
+    for refused in ({"price_per_hour": 0.0}, {"request_timeout_s": 0}, {"close_timeout_s": -1}):
+        with pytest.raises(LaunchError, match=r"give a positive number with --metrics\.mlflow\."):
+            MLflowLogger.Config(**refused)
     # 36 USD/h at 10,000 tokens/s: 36 / 36e6 tokens * 1e6 = 1 USD per million tokens
     assert cost_per_million_tokens(36.0, 10_000.0) == pytest.approx(1.0)
     assert cost_per_million_tokens(36.0, 10_000.0, instances=2) == pytest.approx(2.0)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qwentitan.launch.errors import LaunchError
-
 
 @dataclass(frozen=True, slots=True)
 class InstancePrice:
@@ -38,7 +36,7 @@ CATALOGUE: dict[str, InstancePrice] = {
 def hourly_price(instance_type: str, configured: float | None = None) -> tuple[float, str] | None:
     """(USD per instance-hour, where the figure came from), or None when nothing is known."""
     if configured is not None:
-        return _checked(configured), "config"
+        return configured, "config"  # MLflowLogger.Config checked it is positive
     entry = CATALOGUE.get(instance_type)
     if entry is None:
         return None
@@ -52,12 +50,3 @@ def cost_per_million_tokens(
     if tokens_per_second <= 0:
         return None
     return usd_per_hour * instances / (tokens_per_second * 3600.0) * 1e6
-
-
-def _checked(value: float) -> float:
-    if not value > 0:
-        raise LaunchError(
-            f"The hourly price is {value} (metrics.mlflow.price_per_hour, default "
-            "$QWENTITAN_PRICE_PER_HOUR); give a positive USD figure or none at all."
-        )
-    return value

@@ -23,6 +23,7 @@ from torchtitan.components.metrics import BaseLogger
 from torchtitan.config import Configurable
 
 from qwentitan.launch import env_defaults
+from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.tracking import context, cost
 from qwentitan.launch.tracking.names import flatten_config, metric_name
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
@@ -91,6 +92,23 @@ class MLflowLogger(BaseLogger, Configurable):
 
         retry_after_s: float = 60.0
         """After a failure, how long the writer waits before catching up from the spool."""
+
+        def __post_init__(self) -> None:
+            # Checked where torchtitan checks its configs, on construction (which its override
+            # parser does), so `train` refuses a bad value before any rank starts.
+            numbers = {
+                "price_per_hour": self.price_per_hour,
+                "close_timeout_s": self.close_timeout_s,
+                "request_timeout_s": self.request_timeout_s,
+                "retry_after_s": self.retry_after_s,
+            }
+            for name, value in numbers.items():
+                if value is not None and not value > 0:
+                    also = f" or ${env_defaults.PRICE}" if name == "price_per_hour" else ""
+                    raise LaunchError(
+                        f"metrics.mlflow.{name} is {value}; give a positive number with "
+                        f"--metrics.mlflow.{name}{also}."
+                    )
 
     def __init__(
         self,
