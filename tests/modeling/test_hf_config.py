@@ -100,5 +100,7 @@ def test_qwen3_variants_the_paths_do_not_implement_are_refused(change, match):
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelingError, match=r"No Hugging Face config at .*config.json"):
+    with pytest.raises(
+        ModelingError, match=r"nowhere does not exist; pass the model's config\.json"
+    ):
         flavor_from_hf_config(tmp_path / "nowhere")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
+from qwentitan.checkpoint import CheckpointError, read_config
 from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import FLAVORS, Flavor, get_flavor
 
@@ -55,17 +55,11 @@ def _read_config_dict(source: PretrainedConfig | Mapping[str, Any] | str | Path)
         return source.to_dict()
     if isinstance(source, Mapping):
         return dict(source)
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ModelingError(
-            f"No Hugging Face config at {path}; pass a model folder holding config.json."
-        )
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelingError(f"{path} is not valid JSON ({err}); fix or re-download it.") from None
+        config, _ = read_config(source)  # the workspace's one config.json parser
+    except CheckpointError as error:
+        raise ModelingError(str(error)) from None
+    return config
 
 
 def _rope_theta(cfg: Mapping[str, Any], where: str) -> float:
