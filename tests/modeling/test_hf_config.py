@@ -104,3 +104,11 @@ def test_missing_folder_is_a_clear_error(tmp_path):
         ModelingError, match=r"nowhere does not exist; pass the model's config\.json"
     ):
         flavor_from_hf_config(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "max_position_embeddings"])
+def test_a_config_without_a_dimension_is_named_not_a_key_error(field):
+    config = flavor_to_hf_config("tiny-dense").to_dict()
+    del config[field]
+    with pytest.raises(ModelingError, match=f"lacks the integer field '{field}'"):
+        flavor_from_hf_config(config)
