@@ -22,6 +22,7 @@ LAUNCH = "qwentitan.launch"
 LAUNCH_LAYERS: dict[str, str] = {
     "": "base",  # the package root: lazy names only
     "errors": "base",
+    "env_defaults": "base",  # the variables that default config fields; imports only errors
     # tracking/pilot.py drives `qwentitan-launch train` for each path: a launcher that sits in
     # tracking/ because it only talks to MLflow besides.
     "tracking.pilot": "launcher",
@@ -47,6 +48,7 @@ LAUNCH_LAYERS: dict[str, str] = {
     "memory": "launcher",
     "resume": "launcher",
     "slurm": "launcher",
+    "run_folder": "launcher",
     "preflight": "launcher",
 }
 
