@@ -25,11 +25,12 @@ import pytest
 import torch
 
 from qwentitan.launch.cli import main
-from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env, plan_env
+from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import load_config
 from qwentitan.launch.platforms import get_platform
 from qwentitan.launch.topology import get_topology
+from qwentitan.launch.topology_env import plan_env
 
 GIB = 1024**3
 TRN2 = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")

@@ -78,3 +78,11 @@ def test_weights_check_against_the_flavor(tiny_plan, tmp_path):
     moe.save_pretrained(tmp_path / "other")
     other = check_weights(tiny_plan, tmp_path / "other")
     assert other.status == "fail" and "does not hold flavor tiny-dense" in other.detail
+    # a MoE folder holds its experts one tensor each, as save_pretrained writes them
+    moe_plan = resolve_plan("tiny_moe", instance="cpu", ranks_per_node=1)
+    assert check_weights(moe_plan, tmp_path / "other").status == "pass"
+    # a damaged file is named by the one folder reader, not reported as a crash
+    shard = tmp_path / "good" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    damaged = check_weights(tiny_plan, tmp_path / "good")
+    assert damaged.status == "fail" and f"{shard} is truncated or corrupt" in damaged.detail

@@ -100,5 +100,15 @@ def test_qwen3_variants_the_paths_do_not_implement_are_refused(change, match):
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelingError, match=r"No Hugging Face config at .*config.json"):
+    with pytest.raises(
+        ModelingError, match=r"nowhere does not exist; pass the model's config\.json"
+    ):
         flavor_from_hf_config(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "max_position_embeddings"])
+def test_a_config_without_a_dimension_is_named_not_a_key_error(field):
+    config = flavor_to_hf_config("tiny-dense").to_dict()
+    del config[field]
+    with pytest.raises(ModelingError, match=f"lacks the integer field '{field}'"):
+        flavor_from_hf_config(config)

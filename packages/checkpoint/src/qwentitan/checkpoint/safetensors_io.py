@@ -1,5 +1,8 @@
 """Hugging Face model folders: validated lazy reads and streaming shard writes.
 
+`HFFolder` is the workspace's one reader of a model folder's safetensors: the converter, the
+`hf` modeling path (each FSDP rank reads only its rows) and launch's preflight all use it.
+
 Reads go straight from the file into the destination tensor with `readinto` at the offset the
 safetensors header gives, so nothing is memory-mapped: a memory map keeps every page it
 touched resident until it is closed, which would make peak RSS the size of the model. Writes
@@ -168,6 +171,14 @@ class HFFolder:
                     "it; re-download that shard."
                 )
 
+    @property
+    def files(self) -> list[Path]:
+        """The safetensors files holding the tensors, in name order."""
+        return sorted({stored.file for stored in self.tensors.values()})
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read one tensor from disk into `out` (or a new tensor) without a memory map."""
         stored = self.tensors[name]
@@ -175,6 +186,29 @@ class HFFolder:
             out = torch.empty(stored.shape, dtype=stored.dtype)
         read_into(stored, out)
         return out
+
+    def read_region(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        """The `region` (one slice per leading dim) of a tensor: only its rows of dim 0 are read
+        from disk (rows are contiguous in the file), the other dims are sliced in memory."""
+        stored = self.tensors[name]
+        if not region or not stored.shape:
+            return self.read(name)[region]
+        start, stop, step = region[0].indices(stored.shape[0])
+        rows = len(range(start, stop, step))
+        if step != 1:
+            return self.read(name)[region]
+        row_bytes = stored.nbytes // stored.shape[0] if stored.shape[0] else 0
+        part = StoredTensor(
+            name,
+            stored.file,
+            stored.dtype,
+            (rows, *stored.shape[1:]),
+            stored.start + start * row_bytes,
+            rows * row_bytes,
+        )
+        out = torch.empty(part.shape, dtype=part.dtype)
+        read_into(part, out)
+        return out[(slice(None), *region[1:])]
 
 
 def read_into(stored: StoredTensor, out: torch.Tensor) -> None:

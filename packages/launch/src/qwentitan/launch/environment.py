@@ -1,4 +1,8 @@
-"""The environment of every rank: the Neuron runtime and compiler settings, EFA across nodes.
+"""The host environment a planned run's ranks start with: the plan's variables on top of the shell's.
+
+What the plan itself writes for every rank (Neuron LNC and compiler target, EFA) is fixed by the
+topology and lives in `topology_env`; this module merges it with the shell at launch time and
+refuses a shell that contradicts it.
 
 The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's LNC must be equal: the Neuron
 SDK does not support compiling for another LNC than the runtime's (aws-neuron/aws-neuron-sdk,
@@ -6,9 +10,8 @@ about-neuron/arch/neuron-features/logical-neuroncore-config.rst, which names
 the compiler options `--logical-nc-config` and `-lnc`). TorchNeuron passes `--lnc` from
 `NEURON_LOGICAL_NC_CONFIG` to neuronx-cc itself and appends `NEURON_CC_FLAGS` after it
 (TorchNeuron source, public mirror parmoham-aws/test-repo-parmoham:
-torch_neuronx/csrc/core/compilation/NeuronCompiler.cpp, csrc/core/KernelExecution.cpp); the plan
-writes the same value into both, and a conflicting value already in the shell is refused rather
-than silently overridden.
+torch_neuronx/csrc/core/compilation/NeuronCompiler.cpp, csrc/core/KernelExecution.cpp), so a
+conflicting value already in the shell is refused rather than silently overridden.
 
 `NEURON_RT_VISIBLE_CORES` is not set: TorchNeuron's process-group setup gives each process the
 core of its `LOCAL_RANK` when the variable is unset, then asserts that the process sees exactly
@@ -20,36 +23,12 @@ from __future__ import annotations
 
 import os
 import shlex
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.topology import Topology
 
 if TYPE_CHECKING:
     from qwentitan.launch.plan import LaunchPlan
-
-# EFA settings AWS uses for multi-node collectives (torchtitan's multinode_trainer.slurm and the
-# Neuron EFA setup guide); libfabric reads them. Not verified on a trn2 cluster.
-EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
-
-
-def plan_env(topology: Topology, *, nodes: int, compile_cache: str) -> dict[str, str]:
-    """Environment every rank of a node needs (torchrun restarts; Neuron; EFA across nodes)."""
-    # torchrun's c10d rendezvous shares its TCPStore with the ranks by default, and torch 2.14
-    # does not prefix the ranks' keys per restart attempt: after a --max-restarts restart, gloo
-    # reads the dead ranks' addresses. With sharing off, rank 0 hosts a fresh store each attempt.
-    env: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    if topology.device_type == "neuron":
-        # The runtime's LNC and the compiler's --lnc must be equal or the NEFF fails to load.
-        env["NEURON_LOGICAL_NC_CONFIG"] = str(topology.lnc)
-        env["NEURON_CC_FLAGS"] = f"--lnc={topology.lnc}"
-        env["NEURON_PLATFORM_TARGET_OVERRIDE"] = topology.instance.compile_target or ""
-        env["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(Path(compile_cache).expanduser())
-    if nodes > 1 and topology.instance.efa:
-        env.update(EFA_ENV)
-    return env
-
 
 # Every spelling of the compiler's LNC option: neuronx-cc documents `--logical-nc-config` and
 # `-lnc`; TorchNeuron itself passes `--lnc`.

@@ -15,10 +15,10 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from qwentitan.launch.environment import plan_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.memory import USABLE_FRACTION, MemoryEstimate, ModelShape, estimate_memory
 from qwentitan.launch.topology import GIB, INSTANCES, Topology, get_topology
+from qwentitan.launch.topology_env import plan_env
 
 if TYPE_CHECKING:
     import torch

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
+from qwentitan.checkpoint import CheckpointError, Qwen3Layout, read_config
 from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import FLAVORS, Flavor, get_flavor
 
@@ -55,17 +55,20 @@ def _read_config_dict(source: PretrainedConfig | Mapping[str, Any] | str | Path)
         return source.to_dict()
     if isinstance(source, Mapping):
         return dict(source)
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ModelingError(
-            f"No Hugging Face config at {path}; pass a model folder holding config.json."
-        )
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelingError(f"{path} is not valid JSON ({err}); fix or re-download it.") from None
+        config, _ = read_config(source)  # the workspace's one config.json parser
+    except CheckpointError as error:
+        raise ModelingError(str(error)) from None
+    return config
+
+
+def _integer(cfg: Mapping[str, Any], key: str, where: str) -> int:
+    if not isinstance(cfg.get(key), int):
+        raise ModelingError(
+            f"{where} lacks the integer field {key!r}; pass the complete config.json that came "
+            "with the weights."
+        )
+    return cfg[key]
 
 
 def _rope_theta(cfg: Mapping[str, Any], where: str) -> float:
@@ -112,25 +115,29 @@ def flavor_from_hf_config(
             f"{where} sets {', '.join(bad)} to a value the Qwen3 flavors do not use; "
             "only standard Qwen3 / Qwen3-MoE configs are supported."
         )
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    try:
+        # the dimensions as qwentitan.checkpoint reads them for conversion, so both agree
+        layout = Qwen3Layout.from_config(cfg, where)
+    except CheckpointError as error:
+        raise ModelingError(str(error)) from None
     fields: dict[str, Any] = dict(
-        hidden_size=hidden,
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"],
+        hidden_size=layout.hidden_size,
+        num_hidden_layers=layout.num_layers,
+        num_attention_heads=layout.num_heads,
+        num_key_value_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        intermediate_size=layout.intermediate_size,
+        vocab_size=layout.vocab_size,
+        max_position_embeddings=_integer(cfg, "max_position_embeddings", where),
         rope_theta=_rope_theta(cfg, where),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=layout.tie_word_embeddings,
     )
     if model_type == "qwen3_moe":
         fields.update(
-            num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
-            num_experts_per_tok=cfg["num_experts_per_tok"],
-            moe_intermediate_size=cfg["moe_intermediate_size"],
+            num_experts=layout.num_experts,
+            num_experts_per_tok=_integer(cfg, "num_experts_per_tok", where),
+            moe_intermediate_size=layout.moe_intermediate_size,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         )
     for known in FLAVORS.values():

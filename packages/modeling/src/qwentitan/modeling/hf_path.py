@@ -25,15 +25,16 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from transformers import AutoModelForCausalLM
 
+from qwentitan.checkpoint import HFFolder
 from qwentitan.modeling.counts import flops_per_token
 from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import Flavor
 from qwentitan.modeling.hf_config import flavor_to_hf_config
 from qwentitan.modeling.hf_weights import (
-    HubFolder,
     hub_to_memory,
     memory_keys,
     memory_to_hub,
+    open_hub_folder,
     read_memory_tensor,
 )
 
@@ -128,20 +129,19 @@ class HFQwen3Model(BaseModel):
         with torch.no_grad():
             self.model.init_weights()
             if self.config.hf_folder is not None:
-                with HubFolder(self.config.hf_folder) as hub:
-                    self.load_hub_folder(hub)
+                self.load_hub_folder(open_hub_folder(self.config.hf_folder))
 
-    def load_hub_folder(self, hub: HubFolder) -> None:
+    def load_hub_folder(self, hub: HFFolder) -> None:
         """Copy a Hub-layout checkpoint into this model, exactly: every key, every shape, or an
         error. Plain parameters are read whole; FSDP-sharded (DTensor) ones read only this
         rank's shard, so no rank ever holds the whole checkpoint."""
         flavor = self.config.flavor
         params = dict(self.model.named_parameters())  # tied weights appear once
-        found = memory_keys(hub.names(), flavor)
+        found = memory_keys(hub.tensors, flavor)
         missing, unexpected = sorted(params.keys() - found), sorted(found - params.keys())
         if missing or unexpected:
             raise ModelingError(
-                f"The checkpoint in {hub.folder} does not fit flavor {flavor.name!r}: missing "
+                f"The checkpoint in {hub.path} does not fit flavor {flavor.name!r}: missing "
                 f"{missing[:5]}, unexpected {unexpected[:5]}; pass the flavor it was saved from."
             )
         with torch.no_grad():
@@ -157,7 +157,7 @@ class HFQwen3Model(BaseModel):
                 region = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
                 target.copy_(read_memory_tensor(hub, name, flavor, region, tuple(shape)))
 
-    def _check_shape(self, hub: HubFolder, name: str, expected: tuple[int, ...]) -> None:
+    def _check_shape(self, hub: HFFolder, name: str, expected: tuple[int, ...]) -> None:
         f = self.config.flavor
         if name.endswith("mlp.experts.gate_up_proj"):
             gate = hub.shape(name.removesuffix("gate_up_proj") + "0.gate_proj.weight")
@@ -171,7 +171,7 @@ class HFQwen3Model(BaseModel):
             actual = hub.shape(name)
         if actual != expected:
             raise ModelingError(
-                f"Tensor {name} has shape {actual} in {hub.folder} but {expected} in flavor "
+                f"Tensor {name} has shape {actual} in {hub.path} but {expected} in flavor "
                 f"{f.name!r}; pass the flavor the folder was saved from."
             )
 

@@ -9,15 +9,13 @@ through these two functions, so only the Hub layout is ever seen outside it.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from qwentitan.checkpoint import CheckpointError, HFFolder
 from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import Flavor
 
@@ -28,53 +26,20 @@ _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 Region = tuple[slice, ...]
 
 
-class HubFolder:
-    """Lazy, sliceable access to a model folder's safetensors (nothing read until asked).
-
-    Under FSDP each rank asks only for its own shard, so loading a 30B model on 64 ranks
-    reads the checkpoint once in total, not 64 times. Use as a context manager.
-    """
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
-            raise ModelingError(
-                f"No *.safetensors file in {folder}; pass a folder written by save_pretrained "
-                "or downloaded from the Hub."
-            )
-        self._stack = ExitStack()
-        self._handles = {
-            f.name: self._stack.enter_context(safe_open(f, framework="pt")) for f in files
-        }
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            self.file_of = dict(json.loads(index.read_text())["weight_map"])
-        else:
-            self.file_of = {k: name for name, h in self._handles.items() for k in h.keys()}  # noqa: SIM118
-
-    def __enter__(self) -> HubFolder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def names(self) -> list[str]:
-        """Every tensor name in the folder, as on the Hub."""
-        return list(self.file_of)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[key]].get_slice(key).get_shape())
-
-    def read(self, key: str, region: Region | None = None) -> torch.Tensor:
-        handle = self._handles[self.file_of[key]]
-        return handle.get_tensor(key) if region is None else handle.get_slice(key)[region]
+def open_hub_folder(folder: str | Path) -> HFFolder:
+    """A model folder's safetensors, through qwentitan.checkpoint's one reader (headers and
+    index checked, nothing read until asked; under FSDP each rank reads only its own rows, so
+    a 30B model on 64 ranks is read once in total, not 64 times)."""
+    try:
+        return HFFolder(folder)
+    except CheckpointError as error:
+        raise ModelingError(str(error)) from None
 
 
 def read_hub_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files in a model folder, keyed as on the Hub."""
-    with HubFolder(folder) as hub:
-        return {key: hub.read(key) for key in hub.names()}
+    """Every tensor of a model folder's safetensors, keyed as on the Hub."""
+    hub = open_hub_folder(folder)
+    return {key: hub.read(key) for key in hub.tensors}
 
 
 def memory_keys(hub_keys: Iterable[str], flavor: Flavor) -> set[str]:
@@ -105,13 +70,13 @@ def memory_keys(hub_keys: Iterable[str], flavor: Flavor) -> set[str]:
 
 
 def read_memory_tensor(
-    hub: HubFolder, key: str, flavor: Flavor, region: Region, shape: tuple[int, ...]
+    hub: HFFolder, key: str, flavor: Flavor, region: Region, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """The ``region`` (one slice per dim) of in-memory tensor ``key``, read from the Hub files;
     for fused experts only the experts inside the region are read."""
     m = _FUSED_EXPERT.match(key)
     if m is None:
-        return hub.read(key, region)
+        return hub.read_region(key, region)
     prefix, kind = m.group(1), m.group(2)
     rows, rest = region[0], region[1:]
     parts = []

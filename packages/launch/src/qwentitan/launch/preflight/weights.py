@@ -9,6 +9,15 @@ from pathlib import Path
 
 import torch
 
+from qwentitan.checkpoint import (
+    CheckpointError,
+    HFFolder,
+    Qwen3Layout,
+    read_config,
+    to_dcp,
+    to_hf,
+    verify,
+)
 from qwentitan.launch.plan import LaunchPlan
 from qwentitan.launch.preflight.report import CheckResult
 
@@ -32,38 +41,12 @@ def _flavor(plan: LaunchPlan):
     return get_flavor(plan.config.model_spec.flavor)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
-    return sorted(folder.glob("*.safetensors"))
-
-
-def _stored_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in _safetensors_files(folder):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
-
-
 def expected_shapes(flavor) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes `save_pretrained` writes for the flavor (transformers model on meta)."""
-    from transformers import AutoModelForCausalLM
-
+    """Keys and shapes a Hub folder of the flavor holds (experts one tensor each, tied head
+    omitted): qwentitan.checkpoint's layout, the one the converter checks folders against."""
     from qwentitan.modeling import flavor_to_hf_config
 
-    config = flavor_to_hf_config(flavor)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
-    return shapes
+    return Qwen3Layout.from_config(flavor_to_hf_config(flavor).to_dict(), flavor.name).hf_shapes()
 
 
 def check_weights(plan: LaunchPlan, folder: Path) -> CheckResult:
@@ -72,22 +55,16 @@ def check_weights(plan: LaunchPlan, folder: Path) -> CheckResult:
         return CheckResult(
             "weights", "fail", f"no weights folder at {folder}; set the path (--weights)"
         )
-    files = _safetensors_files(folder)
-    if not (folder / "config.json").exists() or not files:
+    if not (folder / "config.json").exists():
         return CheckResult(
-            "weights",
-            "fail",
-            f"{folder} lacks config.json or *.safetensors; export or copy the model there",
-        )
-    missing_files = [f.name for f in files if not f.exists()]
-    if missing_files:
-        return CheckResult(
-            "weights", "fail", f"shards named in the index are missing: {missing_files[:3]}"
+            "weights", "fail", f"{folder} lacks config.json; export or copy the model there"
         )
     try:
-        found = _stored_shapes(folder)
-    except Exception as error:  # a truncated or corrupt file: say which, do not crash
-        return CheckResult("weights", "fail", f"cannot read safetensors in {folder}: {error}")
+        hub = HFFolder(folder)  # every header and the index checked: a damaged file is named
+    except CheckpointError as error:
+        return CheckResult("weights", "fail", str(error))
+    found = {name: hub.shape(name) for name in hub.tensors}
+    files = hub.files
     wanted = expected_shapes(flavor)
     missing = sorted(set(wanted) - set(found))
     unexpected = sorted(set(found) - set(wanted))
@@ -125,29 +102,22 @@ def check_weights(plan: LaunchPlan, folder: Path) -> CheckResult:
 
 def _one_layer_copy(folder: Path, dst: Path) -> Path:
     """A smaller model folder: layer 0 plus the non-layer tensors, config cut to one layer."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     dst.mkdir(parents=True)
-    config = json.loads((folder / "config.json").read_text())
+    config, _ = read_config(folder)
     config["num_hidden_layers"] = 1
     (dst / "config.json").write_text(json.dumps(config))
-    tensors = {}
-    for file in _safetensors_files(folder):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118
-                if ".layers." not in key or ".layers.0." in key:
-                    tensors[key] = f.get_tensor(key)
+    hub = HFFolder(folder)
+    tensors = {
+        key: hub.read(key) for key in hub.tensors if ".layers." not in key or ".layers.0." in key
+    }
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
 def check_round_trip(plan: LaunchPlan, folder: Path) -> CheckResult:
-    from safetensors import safe_open
-
-    from qwentitan.checkpoint import to_dcp, to_hf, verify
-
-    size = sum(f.stat().st_size for f in _safetensors_files(folder))
+    size = sum(f.stat().st_size for f in HFFolder(folder).files)
     with tempfile.TemporaryDirectory(prefix="qwentitan-preflight-") as tmp:
         source = folder
         scope = "all layers"
@@ -156,21 +126,14 @@ def check_round_trip(plan: LaunchPlan, folder: Path) -> CheckResult:
             scope = "layer 0 + embeddings (model over 1 GiB)"
         dcp = to_dcp(source, Path(tmp) / "dcp")
         report = verify(source, dcp)
-        back = to_hf(dcp, Path(tmp) / "hf")
-        before = _stored_shapes(source)
-        after = _stored_shapes(back)
-        differing: list[str] = []
-        if set(before) != set(after):
-            differing = sorted(set(before) ^ set(after))[:3]
-        else:
-            originals = {k: f for f in _safetensors_files(source) for k in _keys(f)}
-            exported = {k: f for f in _safetensors_files(back) for k in _keys(f)}
-            for key in sorted(before):
-                with safe_open(originals[key], "pt") as a, safe_open(exported[key], "pt") as b:
-                    if not torch.equal(a.get_tensor(key), b.get_tensor(key)):
-                        differing.append(key)
+        before, after = HFFolder(source), HFFolder(to_hf(dcp, Path(tmp) / "hf"))
+        differing = sorted(set(before.tensors) ^ set(after.tensors))[:3]
+        if not differing:
+            differing = [
+                k for k in sorted(before.tensors) if not torch.equal(before.read(k), after.read(k))
+            ]
     figures = {
-        "tensors": len(before),
+        "tensors": len(before.tensors),
         "scope": scope,
         "verify_ok": report.ok,
         "differing": differing,
@@ -183,16 +146,9 @@ def check_round_trip(plan: LaunchPlan, folder: Path) -> CheckResult:
     return CheckResult(
         "round_trip",
         "pass",
-        f"HF -> DCP -> HF bitwise identical, {len(before)} tensors ({scope})",
+        f"HF -> DCP -> HF bitwise identical, {len(before.tensors)} tensors ({scope})",
         figures,
     )
-
-
-def _keys(file: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(file, "pt") as f:
-        return list(f.keys())
 
 
 def _one_batch(plan: LaunchPlan) -> tuple[torch.Tensor, torch.Tensor]:

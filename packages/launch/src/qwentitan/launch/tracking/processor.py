@@ -38,7 +38,8 @@ class TrackedMetrics(MetricsProcessor):
         mlflow: MLflowLogger.Config = field(default_factory=MLflowLogger.Config)
 
         peak_flops: float | None = None
-        """Peak FLOP/s per rank for MFU; None asks the platform (none on CPU: MFU not logged)."""
+        """Peak FLOP/s per rank for MFU; None: the platform's, set by qwentitan's Trainer (none on
+        CPU: MFU not logged)."""
 
         platform: str | None = None
         """Platform name for the tags (cpu, cuda, neuron); None: the device torchtitan uses."""
@@ -49,7 +50,8 @@ class TrackedMetrics(MetricsProcessor):
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.mlflow = None
         super().__init__(config, **kwargs)
-        peak = config.peak_flops if config.peak_flops is not None else _platform_peak_flops()
+        # qwentitan's Trainer then sets the platform's own peak (or drops MFU where none is known).
+        peak = config.peak_flops
         if peak is None and _platform_name(config.platform) == "cuda":
             peak = self.gpu_peak_flops  # torchtitan's own table knows the NVIDIA parts
         # torchtitan divides by this; NaN makes MFU NaN, which MLflowLogger leaves out.
@@ -106,30 +108,14 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _platform():
-    """qwentitan's platform object (one place decides the platform), if that layer is present."""
-    try:
-        from qwentitan.launch.platforms import current_platform
-    except ImportError:
-        return None
-    return current_platform()
-
-
 def _platform_name(configured: str | None) -> str:
+    # torchtitan's device_type, which qwentitan's Trainer rebinds to its platform's
+    # (trainer.use_platform): tracking imports nothing of the runtime layer (docs/architecture.md).
     if configured:
         return configured
-    platform = _platform()
-    if platform is not None:
-        return platform.name
     from torchtitan.tools.utils import device_type
 
     return device_type
-
-
-def _platform_peak_flops() -> float | None:
-    """Peak per rank from qwentitan's platform layer; None where unknown (CPU)."""
-    platform = _platform()
-    return platform.peak_flops if platform is not None else None
 
 
 def tracked_metrics(recipe: str, path: str, **metrics: Any) -> TrackedMetrics.Config:
