@@ -56,6 +56,8 @@ __all__ = [
 
 # Exit code of a rank whose checkpoint could not be written: a fault of the environment.
 SAVE_FAILED_EXIT = 2
+# Less free space than this after a failed save: the disk filled up (whatever the error says).
+FULL_DISK_BYTES = 2**20
 
 
 def use_platform(platform: Platform) -> None:
@@ -95,17 +97,30 @@ def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
 
 
 def save_failure(step_folder: Path, error: BaseException) -> str:
-    """One sentence for a failed save of `step_folder`: the first OS error of any rank, if any."""
+    """One sentence for a failed save of `step_folder` (call before removing the folder)."""
     causes = [error]
     if isinstance(error, CheckpointException):
         causes = [failure for failure, _trace in error.failures.values()] or causes
     cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
-    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else repr(cause)
+    free = shutil.disk_usage(_existing(step_folder)).free
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    elif free < FULL_DISK_BYTES:
+        # torch.save's zip writer turns a short write (ENOSPC) into "unexpected pos" errors.
+        reason = f"the disk is full, {free} bytes left"
+    else:
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     return (
         f"Saving the checkpoint {step_folder} failed ({reason}); its partial folder was removed, "
         f"so --resume continues from the previous checkpoint: free space in {step_folder.parent} "
         "or choose another run folder, then resume."
     )
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., Any]:
@@ -119,8 +134,9 @@ def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., A
             step_folder = Path(folder) / f"step-{step}"
             # DCP raises on every rank after all of them stopped writing; one removes the folder.
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                message = save_failure(step_folder, error)
                 shutil.rmtree(step_folder, ignore_errors=True)
-                logger.error(save_failure(step_folder, error))
+                logger.error(message)
             raise SystemExit(SAVE_FAILED_EXIT) from None
 
     return guarded
