@@ -55,9 +55,12 @@ def latest_run_folder(base: Path) -> Path | None:
     return latest.resolve() if latest.is_symlink() and latest.resolve().is_dir() else None
 
 
-def check_checkpoints(plan: LaunchPlan, *, folder_flag: str, resume_flag: str) -> int | None:
+def check_checkpoints(
+    plan: LaunchPlan, *, folder_flag: str, resume_flag: str, fresh: str | None = None
+) -> int | None:
     """The step the ranks resume from (None: they start at step 1), checked against
-    `plan.resume`; LaunchError naming `folder_flag` / `resume_flag` when the folder disagrees."""
+    `plan.resume`; LaunchError naming `folder_flag` / `resume_flag` when the folder disagrees.
+    `fresh` is how to start from scratch instead (default: another `folder_flag`)."""
     from qwentitan.launch.resume import check_resumable, saved_steps, state_shapes
 
     folder = plan.checkpoint_folder
@@ -76,7 +79,7 @@ def check_checkpoints(plan: LaunchPlan, *, folder_flag: str, resume_flag: str) -
         state_shapes(plan.config),
         plan.recipe,
         folder_flag=folder_flag,
-        fresh=f"pass another {folder_flag} to start fresh",
+        fresh=fresh or f"pass another {folder_flag} to start fresh",
     )
     if step >= plan.steps:
         raise LaunchError(

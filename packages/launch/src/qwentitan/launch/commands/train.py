@@ -135,7 +135,13 @@ def run(args: argparse.Namespace) -> int:
         extra_overrides=_train_overrides(args),
         resume="latest" if args.resume else "fresh",
     )
-    check_checkpoints(plan, folder_flag="--run-dir", resume_flag="--resume")
+    check_checkpoints(
+        plan,
+        folder_flag="--run-dir",
+        resume_flag="--resume",
+        # without --run-dir, a run without --resume gets a new folder
+        fresh=None if args.run_dir is not None else "start fresh without --resume",
+    )
     check_free_disk(plan, folder_flag="--run-dir")
     if args.run_dir is None and not args.resume:
         point_latest(run_dir)  # only now: a refused run leaves no folder behind
