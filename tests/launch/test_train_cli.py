@@ -124,3 +124,17 @@ def test_too_little_disk_for_the_planned_checkpoints_is_refused(
             message,
         ), message
         assert not launched and not (small / "run").exists()
+
+
+def test_ctrl_c_before_the_ranks_start_is_one_sentence_and_leaves_no_folder(
+    capsys, launched, tmp_path, monkeypatch
+):
+    from qwentitan.launch import run_folder
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run_folder, "check_free_disk", interrupted)
+    assert refused(capsys) == "interrupted (Ctrl-C); run it again."
+    assert not (tmp_path / "outputs" / "tiny_dense").exists() and not launched

@@ -28,6 +28,7 @@ This module adds only what torchtitan 0.3.0 lacks, one place each:
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
@@ -163,6 +164,9 @@ class Trainer(torchtitan_trainer.Trainer):
         # the first step boundary instead of killing the rank without a checkpoint.
         self.preemption = PreemptionWatch().install()
         super().__init__(config)
+        # On a full disk torchtitan's structured logger (a file in the run folder) fails too, and
+        # Python's logging would print a traceback per record; the failed save's sentence says why.
+        logging.raiseExceptions = False
         if self.checkpointer.enable:
             # The manager is built from the recipe's own config (any checkpointer class), so its
             # save is wrapped here rather than subclassed in every recipe.
