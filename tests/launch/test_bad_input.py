@@ -206,7 +206,7 @@ def test_a_damaged_checkpoint_is_named_before_resuming(capsys, in_tmp, damage):
     argv = ["train", "--resume", "--run-dir", str(in_tmp / "run"), "--steps", "5"]
     message = refusal(capsys, argv)
     assert message.startswith(f"The checkpoint to resume is damaged: {what}")
-    assert message.endswith("; start fresh without --resume.")
+    assert message.endswith("; pass another --run-dir to start fresh.")
     assert snapshot(in_tmp) == before  # nothing removed, nothing written
 
 

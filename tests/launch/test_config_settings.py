@@ -3,8 +3,6 @@ torchtitan's own overrides (`--metrics.mlflow.FIELD`, `--hf_assets_path`) replac
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from qwentitan.launch import cli, plan, recipes
@@ -116,13 +114,15 @@ def test_one_registry_names_every_recipe_and_its_path():
 
 
 def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch, tmp_path):
+    from qwentitan.launch import preemption
+
     started: list[list[str]] = []
 
-    def fake_run(command, *args, **kwargs):
+    def fake_supervise(command, env):
         started.append(list(command))
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(preemption, "supervise", fake_supervise)
     extra = ["--metrics.mlflow.parent_run_id", "abc", "--metrics.mlflow.run_name", "native"]
     assert cli.main(["train", "--run-dir", str(tmp_path), "--", *extra]) == 0
     (torchrun,) = [c for c in started if "torchtitan.train" in c]
@@ -139,7 +139,9 @@ def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch,
 def test_train_refuses_a_bad_override_before_any_rank_starts(
     monkeypatch, tmp_path, capsys, override, named
 ):
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a rank started"))
+    from qwentitan.launch import preemption
+
+    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
     assert cli.main(["train", "--run-dir", str(tmp_path), "--", *override]) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "\n" not in err.strip()

@@ -135,3 +135,16 @@ def test_ranks_of_lists_direct_children_only():
         child.kill()
         child.wait()
     assert ranks_of(999_999_999) == []
+
+
+def test_a_second_sigint_stops_at_once():
+    """Ctrl-C once: recorded like SIGTERM (checkpoint, then exit); twice: KeyboardInterrupt."""
+    watch = PreemptionWatch().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert "SIGINT received" in watch.stop_requested()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here, before the next bytecode
+    finally:
+        watch.uninstall()

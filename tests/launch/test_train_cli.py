@@ -1,4 +1,11 @@
-"""`qwentitan-launch train` refuses bad input in one sentence, exit code 2, before starting ranks."""
+"""`qwentitan-launch train`: the local preset of the launch plan, refusing bad input in one
+sentence (exit code 2) before starting ranks, never deleting an earlier run's checkpoints."""
+
+import json
+import re
+import sys
+
+import pytest
 
 from qwentitan.launch import cli
 from qwentitan.launch.platforms import current_platform
@@ -41,3 +48,93 @@ def test_more_ranks_than_the_machine_holds(capsys, tmp_path):
 def test_resume_without_a_checkpoint(capsys, tmp_path):
     message = refused(capsys, "--resume", "--run-dir", str(tmp_path))
     assert message.startswith("There is no checkpoint to resume in ")
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """What `train` / `run` would execute: supervise() records its argv and env instead."""
+    from qwentitan.launch import preemption
+
+    calls = []
+    monkeypatch.setattr(preemption, "supervise", lambda argv, env: calls.append((argv, env)) or 0)
+    return calls
+
+
+def test_plan_json_shows_the_torchrun_line_train_runs(capsys, launched, tmp_path):
+    run_dir = tmp_path.resolve() / "run"
+    assert cli.main(["train", "--run-dir", str(run_dir)]) == 0
+    assert cli.main(["run", "--recipe", "tiny_dense", "--dump-folder", str(run_dir)]) == 0
+    (train_argv, train_env), (run_argv, run_env) = launched
+    capsys.readouterr()
+    assert (
+        cli.main(["plan", "--recipe", "tiny_dense", "--dump-folder", str(run_dir), "--json"]) == 0
+    )
+    planned = json.loads(capsys.readouterr().out)["torchrun"]
+    assert train_argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert train_argv[3:] == planned[1:] and planned[0] == "torchrun"
+    assert "--rdzv-backend=c10d" in planned and f"--dump-folder {run_dir}" in " ".join(planned)
+    # One pipeline: `run` launches the same line with the same rank environment.
+    assert run_argv == train_argv and run_env == train_env
+
+
+def test_fresh_runs_get_their_own_folders_and_resume_continues_the_latest(
+    capsys, launched, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train"]) == 0
+    first = (tmp_path / "outputs" / "tiny_dense" / "latest").resolve()
+    (first / "checkpoint" / "step-40").mkdir(parents=True)  # stands for the first run's save
+    assert cli.main(["train"]) == 0
+    second = (tmp_path / "outputs" / "tiny_dense" / "latest").resolve()
+    assert second != first and second.parent == first.parent
+    assert (first / "checkpoint" / "step-40").is_dir()  # nothing of the first run was removed
+    dump_folders = [argv[argv.index("--dump-folder") + 1] for argv, _ in launched]
+    assert dump_folders == [str(first), str(second)]
+
+
+def test_resume_without_an_earlier_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    message = refused(capsys, "--resume")
+    assert message == (
+        f"There is no run of tiny_dense to resume in {tmp_path.resolve()}/outputs/tiny_dense; "
+        "run once without --resume first, or pass the --run-dir of an earlier run."
+    )
+
+
+def test_run_dir_holding_checkpoints_is_refused_without_resume(capsys, launched, tmp_path):
+    step = tmp_path / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"kept as it is")
+    message = refused(capsys, "--run-dir", str(tmp_path))
+    assert message == (
+        f"{tmp_path / 'checkpoint'} already holds checkpoints (newest step-3); pass --resume to "
+        "continue them, or another --run-dir to start a fresh run."
+    )
+    assert (step / ".metadata").read_bytes() == b"kept as it is" and not launched
+
+
+def test_too_little_disk_for_the_planned_checkpoints_is_refused(
+    capsys, launched, tmp_path, small_tmpfs
+):
+    with small_tmpfs(tmp_path / "small", "8m") as small:
+        message = refused(capsys, "--run-dir", str(small / "run"))
+        assert re.fullmatch(
+            rf"{small} has 8\.0 MiB free but this run's checkpoints need about [0-9.]+ MiB; "
+            r"free space there or pass another --run-dir\.",
+            message,
+        ), message
+        assert not launched and not (small / "run").exists()
+
+
+def test_ctrl_c_before_the_ranks_start_is_one_sentence_and_leaves_no_folder(
+    capsys, launched, tmp_path, monkeypatch
+):
+    from qwentitan.launch import run_folder
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run_folder, "check_free_disk", interrupted)
+    assert refused(capsys) == "interrupted (Ctrl-C); run it again."
+    assert not (tmp_path / "outputs" / "tiny_dense").exists() and not launched

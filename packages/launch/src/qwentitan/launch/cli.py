@@ -54,6 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except user_errors() as error:
         print(f"qwentitan-launch {args.command}: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before any rank started (once they run, `train` / `run` forward it to them).
+        print(
+            f"qwentitan-launch {args.command}: interrupted (Ctrl-C); run it again.", file=sys.stderr
+        )
+        return 2
 
 
 if __name__ == "__main__":

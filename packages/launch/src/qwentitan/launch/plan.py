@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import io
 import shlex
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qwentitan.launch.errors import LaunchError
@@ -28,6 +30,12 @@ RECIPES_MODULE = "qwentitan.launch.recipes"
 TRAIN_ENTRY = "torchtitan.train"
 DEFAULT_COMPILE_CACHE = "~/.cache/qwentitan/neuron-compile-cache"
 AC_MODES = ("none", "selective", "full")
+# What the ranks do with the checkpoints already in the run folder (torchtitan itself always
+# loads the newest one it finds; the launcher checks the folder against this before starting):
+# "fresh" - start at step 1: a folder that already holds checkpoints is refused, never emptied;
+# "latest" - continue the newest checkpoint, which must exist and be whole;
+# "auto" - "latest" when there is one, else "fresh" (a requeued scheduler job).
+RESUME_MODES = ("fresh", "latest", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,7 @@ class LaunchPlan:
     rdzv_endpoint: str = "localhost:0"
     node_rank: int = 0
     max_restarts: int = 0
+    resume: str = "auto"  # one of RESUME_MODES
 
     @property
     def world_size(self) -> int:
@@ -106,8 +115,21 @@ class LaunchPlan:
         args += ["--local-ranks-filter=0", "--role=rank", "--tee=3", "-m", TRAIN_ENTRY]
         return args + self.trainer_args()
 
+    def launch_argv(self) -> list[str]:
+        """What `train` and `run` execute: `torchrun_args()` through this Python's torchrun."""
+        return [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args()[1:]]
+
     def command(self) -> str:
         return shlex.join(self.torchrun_args())
+
+    @property
+    def run_folder(self) -> Path:
+        """torchtitan's dump folder: checkpoints, logs and reports of this run."""
+        return Path(self.config.dump_folder)
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.run_folder / self.config.checkpoint.folder
 
     def to_dict(self) -> dict[str, Any]:
         cfg = self.config
@@ -141,6 +163,7 @@ class LaunchPlan:
             "gradient_accumulation_steps": self.global_batch
             // (self.local_batch * self._batch_ranks()),
             "steps": self.steps,
+            "resume": self.resume,
             "activation_checkpoint": self.activation_checkpoint,
             "model": {
                 "name": getattr(spec, "name", None),
@@ -265,6 +288,7 @@ def resolve_plan(
     rdzv_endpoint: str | None = None,
     node_rank: int = 0,
     max_restarts: int = 0,
+    resume: str = "auto",
 ) -> LaunchPlan:
     """Resolve (recipe, instance, nodes) and the optional knobs into a checked LaunchPlan."""
     instance = instance or default_instance(recipe)
@@ -274,6 +298,10 @@ def resolve_plan(
         raise LaunchError(f"--nodes must be at least 1, not {nodes}.")
     topology = get_topology(instance, lnc=lnc, ranks_per_node=ranks_per_node)
     world = nodes * topology.ranks_per_node
+    if resume not in RESUME_MODES:
+        raise LaunchError(
+            f"Unknown resume mode {resume!r}; pass --resume with one of {', '.join(RESUME_MODES)}."
+        )
     if activation_checkpoint is not None and activation_checkpoint not in AC_MODES:
         raise LaunchError(
             f"Unknown activation checkpointing mode {activation_checkpoint!r}; "
@@ -367,6 +395,7 @@ def resolve_plan(
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
         node_rank=node_rank,
         max_restarts=max_restarts,
+        resume=resume,
     )
     if not memory.fits:
         raise LaunchError(_memory_refusal(plan))

@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from qwentitan.launch.flags import positive
-from qwentitan.launch.plan import AC_MODES, DEFAULT_COMPILE_CACHE, LaunchPlan, resolve_plan
+from qwentitan.launch.plan import (
+    AC_MODES,
+    DEFAULT_COMPILE_CACHE,
+    RESUME_MODES,
+    LaunchPlan,
+    resolve_plan,
+)
 from qwentitan.launch.topology import INSTANCES
 
 
@@ -55,6 +61,17 @@ def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
     )
 
 
+def add_resume_argument(parser: Any) -> None:
+    """`--resume` of the commands that launch or show a plan for one dump folder (plan, run)."""
+    parser.add_argument(
+        "--resume",
+        choices=RESUME_MODES,
+        default="auto",
+        help="the dump folder's checkpoints: fresh (refuse any), latest (continue the newest, "
+        "which must exist) or auto (latest if there is one: what a requeued job needs; default)",
+    )
+
+
 def plan_from_args(args: Any, **extra: Any) -> LaunchPlan:
     return resolve_plan(
         args.recipe,
@@ -73,6 +90,7 @@ def plan_from_args(args: Any, **extra: Any) -> LaunchPlan:
         compile_cache=args.compile_cache,
         dump_folder=args.dump_folder,
         checkpoint_interval=args.checkpoint_interval,
+        resume=getattr(args, "resume", "auto"),
         **extra,
     )
 
@@ -96,6 +114,7 @@ def describe(plan: LaunchPlan) -> str:
         f"batch         seq len {plan.seq_len} (multiple of {rule['multiple_of']}: "
         f"{'ok' if rule['ok'] else 'NO'}), local {plan.local_batch}, global {plan.global_batch}, "
         f"{plan.steps} steps, activation checkpointing {plan.activation_checkpoint}",
+        f"run folder    {plan.run_folder} (resume: {plan.resume})",
         f"memory/rank   {m['total_gib']:.2f} GiB of {m['available_gib']:.2f} GiB "
         f"(state {m['sharded_state_gib']:.2f}, gathered {m['unsharded_transient_gib']:.2f}, "
         f"activations {m['activations_gib']:.2f}, logits {m['logits_gib']:.2f})",

@@ -1,17 +1,23 @@
-"""Surviving preemption: a signal becomes a checkpoint at the next step boundary and a clean exit.
+"""Surviving signals: a signal becomes a checkpoint at the next step boundary and a clean exit.
 
-Spot interruptions (via a SIGTERM from whatever watches the instance metadata) and SLURM
-(SIGTERM on preemption or `scancel`, `--signal=USR1@<seconds>` before the time limit) give a
-job a short grace period. Two halves:
+Spot interruptions (via a SIGTERM from whatever watches the instance metadata), SLURM
+(SIGTERM on preemption or `scancel`, `--signal=USR1@<seconds>` before the time limit) and a
+user's Ctrl-C (SIGINT) all give a job a short grace period. Two halves:
 
-- in every training rank, `PreemptionWatch` records SIGTERM / SIGUSR1 instead of dying; at the
-  next step boundary the trainer asks `stop_requested()`, which all-reduces the flag so every
-  rank stops at the same step even when only some received the signal, then saves a full
-  checkpoint and returns normally (exit code 0);
-- in `qwentitan-launch run`, a supervisor forwards both signals to the ranks, and starts the
-  torchrun agent with SIGUSR1 ignored: the agent does not handle it and would die of it. A
-  SIGTERM that reaches the agent itself (SLURM signals every process of a step) makes it send
-  SIGTERM to the ranks and wait 30 s before SIGKILL: a step plus a checkpoint must fit in that.
+- in every training rank, `PreemptionWatch` records SIGTERM / SIGUSR1 / SIGINT instead of
+  dying; at the next step boundary the trainer asks `stop_requested()`, which all-reduces the
+  flag so every rank stops at the same step even when only some received the signal, then
+  saves a full checkpoint and returns normally (exit code 0). A second SIGINT stops at once
+  (KeyboardInterrupt), as a user pressing Ctrl-C twice expects;
+- in `qwentitan-launch train` and `run`, `supervise` owns the process tree: it starts the
+  torchrun agent in a session of its own (so a terminal's Ctrl-C reaches the launcher only,
+  not the agent, whose own SIGINT handling would pass SIGINT on to the ranks a second time),
+  forwards every signal it receives to the ranks (torchrun starts each rank in its own session
+  too, so nothing else reaches them), and has the kernel send the agent SIGTERM if the launcher
+  dies (`PR_SET_PDEATHSIG`): the agent then SIGTERMs the ranks, which checkpoint. The agent runs
+  with SIGUSR1 ignored: it has no handler and would die of it. A SIGTERM that reaches the agent
+  itself (SLURM signals every process of a step) makes it send SIGTERM to the ranks and wait
+  30 s before SIGKILL: a step plus a checkpoint must fit in that.
 
 A later run with the same dump folder resumes from that checkpoint; torchrun's
 `--max-restarts` does the same after a crash, from the last interval checkpoint.
@@ -20,16 +26,21 @@ A later run with the same dump folder resumes from that checkpoint; torchrun's
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# What the launcher passes on to the ranks; SIGHUP (terminal closed) becomes SIGTERM there.
+FORWARDED = {**{sig: sig for sig in PREEMPTION_SIGNALS}, signal.SIGHUP: signal.SIGTERM}
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class PreemptionWatch:
@@ -51,6 +62,8 @@ class PreemptionWatch:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without the checkpoint
         # Only a flag: the step in flight finishes, collectives stay matched across ranks.
         self.received = signal.Signals(signum)
 
@@ -64,16 +77,23 @@ class PreemptionWatch:
             agreed = int(flag.item())
         if agreed == 0:
             return None
-        return f"{signal.Signals(agreed).name} received (preemption): checkpointing and exiting"
+        return f"{signal.Signals(agreed).name} received: checkpointing and exiting"
 
 
 def ignore_sigusr1() -> None:
-    """preexec_fn for the torchrun agent, which has no SIGUSR1 handler (see module doc).
+    """Part of the torchrun agent's preexec_fn: it has no SIGUSR1 handler (see module doc).
 
     SIGTERM keeps its default: ranks inherit dispositions, and one ignoring SIGTERM before its
     PreemptionWatch is installed could not be stopped by torchrun after a failure.
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _start_agent() -> None:
+    """preexec_fn of the torchrun agent: SIGUSR1 ignored, SIGTERM when the launcher dies."""
+    ignore_sigusr1()
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 def ranks_of(agent_pid: int) -> list[int]:
@@ -89,21 +109,32 @@ def ranks_of(agent_pid: int) -> list[int]:
         return []
 
 
-def supervise(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Run torchrun (`argv`), forwarding preemption signals to its ranks; its exit code."""
-    agent = subprocess.Popen(list(argv), env=env, preexec_fn=ignore_sigusr1)
+def supervise(argv: Sequence[str], env: dict[str, str], *, poll_seconds: float = 0.2) -> int:
+    """Run torchrun (`argv`) as this process's only child, passing every signal this process
+    gets on to the ranks, until the agent exits; its exit code (see the module doc).
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        for pid in ranks_of(agent.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in PREEMPTION_SIGNALS}
+    Signals are delivered from a polling loop rather than the handler, so one that arrives
+    before the ranks exist (or across a torchrun restart) still reaches every rank once.
+    """
+    received: list[signal.Signals] = []
+    delivered: dict[int, int] = {}  # rank pid -> how many of `received` it has been sent
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: received.append(signal.Signals(signum)))
+        for sig in FORWARDED
+    }
     try:
-        return agent.wait()
-    except KeyboardInterrupt:
-        agent.send_signal(signal.SIGINT)
-        return agent.wait()
+        agent = subprocess.Popen(
+            list(argv), env=env, preexec_fn=_start_agent, start_new_session=True
+        )
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return agent.wait(timeout=poll_seconds)
+            if received:
+                for pid in ranks_of(agent.pid):
+                    for sig in received[delivered.get(pid, 0) :]:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, FORWARDED[sig])
+                    delivered[pid] = len(received)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

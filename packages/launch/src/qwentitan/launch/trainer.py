@@ -15,7 +15,11 @@ This module adds only what torchtitan 0.3.0 lacks, one place each:
   copied that choice at import time.
 - `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
 - `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
-  the preemption signals the launcher adds), so `--resume` continues exactly.
+  the signals the launcher forwards: SIGTERM, SIGUSR1, SIGINT), so `--resume` continues exactly.
+- `guard_saves()`: a save that fails (disk full, folder gone read-only) removes its partial
+  `step-N` folder and ends the rank with one sentence, so no later `--resume` takes it for a
+  whole checkpoint. DCP writes `.metadata` last (through a temporary file), so a rank killed
+  mid-save already leaves a folder that torchtitan and `--resume` skip.
 - `Trainer.train_step()`: the first step of a process is timed apart (on Neuron it compiles for
   minutes) and, on Neuron, followed by the list of ops TorchNeuron ran on the CPU; both go to
   RUN_DIR/reports/first_step.json (what `preflight --compile-smoke` reads), the CPU fallbacks
@@ -24,11 +28,17 @@ This module adds only what torchtitan 0.3.0 lacks, one place each:
 
 from __future__ import annotations
 
+import logging
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
 from torchtitan.tools.logging import logger
@@ -41,8 +51,14 @@ from qwentitan.launch.tracking.reports import FIRST_STEP, attach_report
 __all__ = [
     "Trainer",
     "force_sum_reduction",
+    "guard_saves",
     "use_platform",
 ]
+
+# Exit code of a rank whose checkpoint could not be written: a fault of the environment.
+SAVE_FAILED_EXIT = 2
+# Less free space than this after a failed save: the disk filled up (whatever the error says).
+FULL_DISK_BYTES = 2**20
 
 
 def use_platform(platform: Platform) -> None:
@@ -81,6 +97,52 @@ def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
     return switched
 
 
+def save_failure(step_folder: Path, error: BaseException) -> str:
+    """One sentence for a failed save of `step_folder` (call before removing the folder)."""
+    causes = [error]
+    if isinstance(error, CheckpointException):
+        causes = [failure for failure, _trace in error.failures.values()] or causes
+    cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
+    free = shutil.disk_usage(_existing(step_folder)).free
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    elif free < FULL_DISK_BYTES:
+        # torch.save's zip writer turns a short write (ENOSPC) into "unexpected pos" errors.
+        reason = f"the disk is full, {free} bytes left"
+    else:
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return (
+        f"Saving the checkpoint {step_folder} failed ({reason}); its partial folder was removed, "
+        f"so --resume continues from the previous checkpoint: free space in {step_folder.parent} "
+        "or choose another run folder, then resume."
+    )
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., Any]:
+    """`save(step, ...)` that, when it fails, removes `folder/step-N` and exits the rank
+    (code SAVE_FAILED_EXIT) with one sentence instead of a traceback per rank."""
+
+    def guarded(step: int, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return save(step, *args, **kwargs)
+        except (Exception, CheckpointException) as error:
+            step_folder = Path(folder) / f"step-{step}"
+            # DCP raises on every rank after all of them stopped writing; one removes the folder.
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                message = save_failure(step_folder, error)
+                shutil.rmtree(step_folder, ignore_errors=True)
+                logger.error(message)
+            raise SystemExit(SAVE_FAILED_EXIT) from None
+
+    return guarded
+
+
 class Trainer(torchtitan_trainer.Trainer):
     """torchtitan's Trainer on the current platform, able to stop early and resume exactly."""
 
@@ -102,6 +164,13 @@ class Trainer(torchtitan_trainer.Trainer):
         # the first step boundary instead of killing the rank without a checkpoint.
         self.preemption = PreemptionWatch().install()
         super().__init__(config)
+        # On a full disk torchtitan's structured logger (a file in the run folder) fails too, and
+        # Python's logging would print a traceback per record; the failed save's sentence says why.
+        logging.raiseExceptions = False
+        if self.checkpointer.enable:
+            # The manager is built from the recipe's own config (any checkpointer class), so its
+            # save is wrapped here rather than subclassed in every recipe.
+            self.checkpointer.save = guard_saves(self.checkpointer.save, self.checkpointer.folder)
         if self.platform.backend == "gloo":
             force_sum_reduction(self.model_parts)
         if self.platform.peak_flops is not None:
@@ -130,7 +199,7 @@ class Trainer(torchtitan_trainer.Trainer):
     def stop_reason(self) -> str | None:
         """Why training should stop at this step boundary, or None to go on.
 
-        Besides `--stop-after`: a preemption signal (SIGTERM / SIGUSR1) received by any rank,
+        Besides `--stop-after`: a signal (SIGTERM / SIGUSR1 / SIGINT) received by any rank,
         agreed across ranks by `PreemptionWatch` so that all stop at the same step.
         """
         stop_after = self.config.stop_after

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from qwentitan.launch.environment import rank_env
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.flags import non_negative
 from qwentitan.launch.plan import LaunchPlan
-from qwentitan.launch.plan_cli import add_plan_arguments, describe, plan_from_args
+from qwentitan.launch.plan_cli import (
+    add_plan_arguments,
+    add_resume_argument,
+    describe,
+    plan_from_args,
+)
 
 NAME = "run"
 HELP = (
@@ -23,6 +26,7 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
+    add_resume_argument(parser)
     parser.add_argument(
         "--node-rank", type=non_negative, default=0, help="this node's rank (0..N-1)"
     )
@@ -60,27 +64,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     from qwentitan.launch.preemption import supervise
+    from qwentitan.launch.run_folder import check_checkpoints, check_free_disk
 
     check_host(plan)
-    check_checkpoint(plan)
-    argv = [sys.executable, "-m", "torch.distributed.run", *plan.torchrun_args()[1:]]
-    return supervise(argv, rank_env(plan))
-
-
-def check_checkpoint(plan: LaunchPlan) -> None:
-    """The ranks resume from the newest checkpoint in the dump folder: refuse one they cannot."""
-    from qwentitan.launch.resume import check_resumable, saved_steps, state_shapes
-
-    checkpoint = plan.config.checkpoint
-    folder = Path(plan.config.dump_folder) / checkpoint.folder
-    if checkpoint.enable and saved_steps(folder):
-        check_resumable(
-            folder,
-            state_shapes(plan.config),
-            plan.recipe,
-            folder_flag="--dump-folder",
-            fresh="pass another --dump-folder to start fresh",
-        )
+    check_checkpoints(plan, folder_flag="--dump-folder", resume_flag="--resume latest")
+    check_free_disk(plan, folder_flag="--dump-folder")
+    return supervise(plan.launch_argv(), rank_env(plan))
 
 
 def check_host(plan: LaunchPlan) -> None:

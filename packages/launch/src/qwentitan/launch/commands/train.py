@@ -1,34 +1,33 @@
 """`qwentitan-launch train`: train a recipe on this machine, one torchrun process per rank.
 
+`train` is the local preset of the launch plan: it resolves the same `LaunchPlan` as `plan` and
+`run` (instance: this host; resume: "fresh", or "latest" with `--resume`), and runs its torchrun
+line (`LaunchPlan.launch_argv`) with its rank environment under the same supervisor as `run`,
+so `plan --json` shows exactly the line `train` runs.
+
 Everything a user can get wrong is checked here, before any process starts, and refused in
 one sentence (exit 2): the numbers (by argparse), the recipe, the ranks this host holds, the
-sequence length, every line of a local dataset, the tokenizer folder, and under `--resume` the
-checkpoint torchtitan would load (whole, and of this recipe's model). The ranks then run
-torchtitan's own entry point, `torchtitan.train --module qwentitan.launch.recipes --config R`,
-with the choices made here passed as torchtitan overrides.
+sequence length, every line of a local dataset, the tokenizer folder, the checkpoints already
+in the run folder (under `--resume`: whole, and of this recipe's model; without it: none), and
+the free disk the planned checkpoints need. Each fresh run without `--run-dir` gets its own
+folder `outputs/RECIPE/<start time>`, and `outputs/RECIPE/latest` points at the newest one,
+which `--resume` continues: nothing is ever deleted.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.flags import positive
 from qwentitan.launch.recipes import get_recipe, recipe_names
 
-if TYPE_CHECKING:
-    from qwentitan.launch.platforms import Platform
-
 NAME = "train"
 HELP = (
     "Train a recipe on this machine (default: tiny_dense on 2 ranks, offline corpus, Qwen3 "
-    "tokenizer, no download); --resume continues from the last checkpoint."
+    "tokenizer, no download), each run in a new folder outputs/RECIPE/<time>; --resume "
+    "continues the latest one."
 )
 
 
@@ -43,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ranks", type=positive, help="processes (default: 2, or fewer if the host holds fewer)"
     )
     parser.add_argument(
-        "--resume", action="store_true", help="continue from the run folder's last checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the newest checkpoint of --run-dir (default: of outputs/RECIPE/latest)",
     )
     parser.add_argument(
         "--seq-len", type=positive, help="tokens per sample (default: the recipe's)"
@@ -56,7 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer", help="Hugging Face model folder holding tokenizer.json (default: Qwen3's)"
     )
     parser.add_argument(
-        "--run-dir", type=Path, help="where checkpoints and logs go (default: ./outputs/RECIPE)"
+        "--run-dir",
+        type=Path,
+        help="where checkpoints and logs go (default: a new folder under ./outputs/RECIPE/); "
+        "one that already holds checkpoints needs --resume",
     )
     parser.add_argument(
         "--stop-after", type=positive, help="stop after this step with a checkpoint (resume later)"
@@ -82,75 +86,95 @@ def run(args: argparse.Namespace) -> int:
         check_tokenizer_folder,
         resolve_dataset,
     )
+    from qwentitan.launch.environment import rank_env
+    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.plan_cli import describe
     from qwentitan.launch.platforms import current_platform
+    from qwentitan.launch.preemption import supervise
+    from qwentitan.launch.run_folder import (
+        check_checkpoints,
+        check_free_disk,
+        latest_run_folder,
+        new_run_folder,
+        point_latest,
+    )
 
     platform = current_platform()
-    recipe = get_recipe(args.recipe)
+    recipe = get_recipe(args.recipe)  # an unknown name is refused before anything slower
     ranks = args.ranks if args.ranks is not None else min(2, platform.max_ranks)
     platform.check_ranks(ranks)
     config = recipe()  # builds the cached offline assets once, before the ranks need them
-    if args.overrides:
-        from qwentitan.launch.plan import load_config
-
-        load_config(args.recipe, args.overrides)  # torchtitan's parser refuses a bad one here
-
     steps = args.steps if args.steps is not None else config.training.steps
-    seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
     if args.stop_after is not None and args.stop_after >= steps:
         raise LaunchError(
             f"--stop-after {args.stop_after} is not before the last step {steps}; pass "
             f"--stop-after {steps - 1} or less, or raise --steps."
         )
+    seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
     platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
     if args.dataset not in (None, OFFLINE):
         check_dataset(resolve_dataset(args.dataset))
     if args.tokenizer is not None:
         check_tokenizer_folder(args.tokenizer)
 
-    run_dir = (args.run_dir or Path("outputs") / args.recipe).resolve()
-    _prepare_checkpoints(
-        run_dir / config.checkpoint.folder,
-        resume=args.resume,
-        steps=steps,
-        recipe=args.recipe,
-        config=config,
-    )
+    base = Path("outputs") / args.recipe
+    if args.run_dir is not None:
+        run_dir = args.run_dir
+    elif args.resume:
+        run_dir = latest_run_folder(base)
+        if run_dir is None:
+            raise LaunchError(
+                f"There is no run of {args.recipe} to resume in {base.resolve()}; run once "
+                "without --resume first, or pass the --run-dir of an earlier run."
+            )
+    else:
+        run_dir = new_run_folder(base)
+    run_dir = run_dir.resolve()
 
-    overrides = {
-        "--dump_folder": str(run_dir),
-        "--training.steps": steps,
-        "--training.seq_len": seq_len,
-        "--training.local_batch_size": args.local_batch_size,
-        "--dataloader.dataset": args.dataset,
-        "--validator.dataloader.dataset": args.dataset,
-        "--hf_assets_path": str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
-        "--stop_after": args.stop_after,
-        "--validator.freq": args.validate_every,
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        "--local-ranks-filter=0",  # every rank logs the same global figures; show one
-        "-m",
-        "torchtitan.train",
-        "--module",
-        "qwentitan.launch.recipes",
-        "--config",
+    plan = resolve_plan(
         args.recipe,
-    ]
-    for flag, value in overrides.items():
-        if value is not None:
-            command += [flag, str(value)]
-    command += args.overrides  # last, so a user's own override wins
+        instance="trn2.48xlarge" if platform.device_type == "neuron" else platform.device_type,
+        ranks_per_node=ranks,
+        seq_len=args.seq_len,
+        local_batch=args.local_batch_size,
+        steps=args.steps,
+        dump_folder=str(run_dir),
+        # the user's own overrides last, so they win; resolve_plan has torchtitan's parser
+        # check them all before any rank starts
+        extra_overrides=[*_train_overrides(args), *args.overrides],
+        resume="latest" if args.resume else "fresh",
+    )
+    check_checkpoints(
+        plan,
+        folder_flag="--run-dir",
+        resume_flag="--resume",
+        # without --run-dir, a run without --resume gets a new folder
+        fresh=None if args.run_dir is not None else "start fresh without --resume",
+    )
+    check_free_disk(plan, folder_flag="--run-dir")
+    if args.run_dir is None and not args.resume:
+        point_latest(run_dir)  # only now: a refused run leaves no folder behind
+
+    print(describe(plan), flush=True)
     print(
-        f"qwentitan-launch train: {args.recipe} on {ranks} {platform.name} rank(s), {steps} steps, "
-        f"seq len {seq_len}, run folder {run_dir}",
+        f"qwentitan-launch train: {args.recipe} on {ranks} {platform.name} rank(s), "
+        f"{plan.steps} steps, run folder {run_dir}",
         flush=True,
     )
-    return subprocess.run(command, env=_rank_environment(platform, ranks)).returncode
+    return supervise(plan.launch_argv(), rank_env(plan))
+
+
+def _train_overrides(args: argparse.Namespace) -> list[str]:
+    """train's own flags as torchtitan overrides (the plan adds the shared ones)."""
+    overrides = {
+        "--dataloader.dataset": args.dataset,
+        "--validator.dataloader.dataset": args.dataset,
+        "--hf-assets-path": str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+        "--stop-after": args.stop_after,
+        "--validator.freq": args.validate_every,
+    }
+    given = {flag: value for flag, value in overrides.items() if value is not None}
+    return [word for flag, value in given.items() for word in (flag, str(value))]
 
 
 def _max_positions(model: object) -> int:
@@ -159,35 +183,3 @@ def _max_positions(model: object) -> int:
     if flavor is not None:
         return flavor.max_position_embeddings
     return model.max_seq_len
-
-
-def _prepare_checkpoints(
-    folder: Path, *, resume: bool, steps: int, recipe: str, config: object
-) -> None:
-    if resume:
-        from qwentitan.launch.resume import check_resumable, state_shapes
-
-        step = check_resumable(folder, state_shapes(config), recipe)
-        if step >= steps:
-            raise LaunchError(
-                f"The checkpoint in {folder} is already at step {step}; pass --steps "
-                f"{step + 1} or more to continue."
-            )
-    elif folder.exists():
-        # A fresh run: torchtitan would otherwise load the newest checkpoint it finds there.
-        print(
-            f"qwentitan-launch train: starting fresh, removing the earlier checkpoints in {folder} "
-            "(pass --resume to continue them)",
-            flush=True,
-        )
-        shutil.rmtree(folder)
-
-
-def _rank_environment(platform: Platform, ranks: int) -> dict[str, str]:
-    from qwentitan.launch.platforms import PLATFORM_ENV
-
-    env = dict(os.environ)
-    env[PLATFORM_ENV] = platform.name  # every rank trains on what was checked here
-    if platform.device_type == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, platform.max_ranks // ranks)))
-    return env

@@ -1,0 +1,64 @@
+"""A signal to the `train` launcher only (`kill PID`, `kill -INT PID`) reaches every rank: they
+checkpoint at the next step boundary and exit, the launcher exits 0 and no process outlives it.
+Even a launcher killed outright (SIGKILL) takes its tree down the same way, with a checkpoint."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from qwentitan.launch.resume import saved_steps
+
+pytestmark = pytest.mark.slow
+_STEP = re.compile(r"\bstep:\s+(\d+)\s")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.mark.parametrize(
+    ("sig", "ranks_get", "exit_code"),
+    [
+        (signal.SIGTERM, signal.SIGTERM, 0),
+        (signal.SIGINT, signal.SIGINT, 0),
+        # the kernel tells the agent (PR_SET_PDEATHSIG), which SIGTERMs its ranks
+        (signal.SIGKILL, signal.SIGTERM, -signal.SIGKILL),
+    ],
+    ids=lambda value: getattr(value, "name", None),
+)
+def test_signal_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(
+    sig, ranks_get, exit_code, tmp_path
+):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "qwentitan.launch.cli", "train", "--steps", "200",
+         "--seq-len", "32", "--local-batch-size", "1", "--validate-every", "1000",
+         "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    log: list[str] = []
+    try:
+        for line in launcher.stdout:  # until the ranks are training
+            log.append(_ANSI.sub("", line))
+            if _STEP.search(log[-1]):
+                break
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(tree) >= 3, "".join(log)[-3000:]  # the torchrun agent and two ranks
+        launcher.send_signal(sig)  # the launcher only, not its group
+        log += [_ANSI.sub("", line) for line in launcher.stdout]
+        assert launcher.wait(timeout=120) == exit_code, "".join(log)[-3000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(os.getpgid(launcher.pid), signal.SIGKILL)
+            launcher.wait()
+    text = "".join(log)
+    stopped = int(
+        re.search(rf"Stopping after step (\d+): {ranks_get.name} received", text).group(1)
+    )
+    assert 1 <= stopped < 200
+    assert saved_steps(run_dir / "checkpoint") == [stopped]
+    gone = psutil.wait_procs(tree, timeout=30)[1]
+    assert not [p for p in gone if p.status() != psutil.STATUS_ZOMBIE]
