@@ -23,6 +23,9 @@ LAUNCH_LAYERS: dict[str, str] = {
     "": "base",  # the package root: lazy names only
     "errors": "base",
     "env_defaults": "base",  # the variables that default config fields; imports only errors
+    # One Target per machine kind: read by the launcher's plan, the ranks' platform and
+    # tracking's price lookup alike, so it sits below all three; imports only errors.
+    "target": "base",
     # tracking/pilot.py drives `qwentitan-launch train` for each path: a launcher that sits in
     # tracking/ because it only talks to MLflow besides.
     "tracking.pilot": "launcher",

@@ -47,7 +47,7 @@ def test_recipe_specifics(capsys):
     [
         (["--fsdp", "8", "--tp", "4"], "is not the world size of 64 ranks"),
         (["--lnc", "3"], "LNC 3 is not valid on trn2.48xlarge"),
-        (["--seq-len", "1000"], "Sequence length 1000 is not a multiple of 256"),
+        (["--seq-len", "1000"], "--seq-len 1000 is not a multiple of 256"),
         (["--instance", "trn9.huge"], "Unknown instance 'trn9.huge'"),
         (["--ac", "none"], "GiB per rank but a trn2.48xlarge rank at LNC 2 has 24.0 GiB"),
         (["--local-batch-size", "4"], "Global batch 64 is not a multiple of local batch 4"),

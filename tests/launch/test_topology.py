@@ -34,7 +34,7 @@ def test_odd_or_unsupported_lnc_is_refused(lnc):
 
 def test_unknown_instance_is_one_sentence_naming_the_choices():
     with pytest.raises(LaunchError) as info:
-        get_topology("p5.48xlarge")
+        get_topology("g5.xlarge")
     message = str(info.value)
     assert message.count(".") >= 1 and "\n" not in message
     assert all(name in message for name in INSTANCES)
@@ -52,5 +52,8 @@ def test_lnc_on_a_non_neuron_instance_is_refused():
 
 
 def test_too_many_ranks_per_node_is_refused():
-    with pytest.raises(LaunchError, match="cannot hold 65 ranks"):
+    with pytest.raises(
+        LaunchError,
+        match=r"^--ranks-per-node 65 is more than trn2\.48xlarge holds \(64 logical cores at LNC 2\); pass --ranks-per-node 64 or fewer\.$",
+    ):
         get_topology("trn2.48xlarge", ranks_per_node=65)

@@ -15,8 +15,8 @@ from mlflow.utils.validation import validate_param_and_metric_name
 
 from qwentitan.launch.cli import main as launch_main
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.target import TARGETS
 from qwentitan.launch.tracking import (
-    CATALOGUE,
     MLflowLogger,
     attach_report,
     cost_per_million_tokens,
@@ -159,7 +159,7 @@ def test_priced_run_logs_cost_and_unpriced_run_does_not(tmp_path, sqlite_uri):
     assert trn2.tags["instance_type"] == "trn2.48xlarge"
     assert trn2.tags["cost.price_source"].startswith("catalogue ")
     assert trn2.metrics["summary/cost_usd_per_million_tokens"] == pytest.approx(
-        CATALOGUE["trn2.48xlarge"].usd_per_hour / (2 * 1004.0 * 3600) * 1e6
+        TARGETS["trn2.48xlarge"].price_per_hour / (2 * 1004.0 * 3600) * 1e6
     )
     assert (
         "summary/cost_usd_per_million_tokens"

@@ -26,6 +26,7 @@ import shlex
 from typing import TYPE_CHECKING
 
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.target import LNC_ENV, configured_lnc
 
 if TYPE_CHECKING:
     from qwentitan.launch.plan import LaunchPlan
@@ -72,10 +73,10 @@ def merged_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str
                 "rank all those cores, which TorchNeuron refuses; unset it (each rank then gets "
                 "the core of its LOCAL_RANK)."
             )
-        runtime = env.get("NEURON_LOGICAL_NC_CONFIG")
-        if runtime not in (None, str(plan.lnc)):
+        runtime = configured_lnc(env)
+        if runtime not in (None, plan.lnc):
             raise LaunchError(
-                f"NEURON_LOGICAL_NC_CONFIG={runtime} is set in this shell but the plan uses LNC "
+                f"{LNC_ENV}={runtime} is set in this shell but the plan uses LNC "
                 f"{plan.lnc}; unset it or pass --lnc {runtime}."
             )
         flags = env.get("NEURON_CC_FLAGS", "")

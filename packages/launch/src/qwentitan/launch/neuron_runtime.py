@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from qwentitan.launch.topology import INSTANCES
+from qwentitan.launch.target import NEURON_TARGET, TARGETS
 
 __all__ = [
     "NeuronDeviceModule",
@@ -32,7 +32,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SYSFS_ROOT = Path("/sys/devices/virtual/neuron_device")
-_PHYSICAL_CORES_PER_CHIP = INSTANCES["trn2.48xlarge"].physical_cores_per_chip
+_PHYSICAL_CORES_PER_CHIP = TARGETS[NEURON_TARGET].cores_per_chip
 
 
 def flat_memory_stats(nested: dict[str, Any]) -> dict[str, int]:

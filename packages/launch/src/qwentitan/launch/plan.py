@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.memory import USABLE_FRACTION, MemoryEstimate, ModelShape, estimate_memory
-from qwentitan.launch.topology import GIB, INSTANCES, Topology, get_topology
+from qwentitan.launch.target import GIB, get_target
+from qwentitan.launch.topology import Topology, get_topology
 from qwentitan.launch.topology_env import plan_env
 
 if TYPE_CHECKING:
@@ -292,8 +293,7 @@ def resolve_plan(
 ) -> LaunchPlan:
     """Resolve (recipe, instance, nodes) and the optional knobs into a checked LaunchPlan."""
     instance = instance or default_instance(recipe)
-    if instance not in INSTANCES:  # before anything slower, so the message is the first problem
-        get_topology(instance)
+    get_target(instance)  # before anything slower, so an unknown name is the first problem
     if nodes < 1:
         raise LaunchError(f"--nodes must be at least 1, not {nodes}.")
     topology = get_topology(instance, lnc=lnc, ranks_per_node=ranks_per_node)
@@ -330,7 +330,7 @@ def resolve_plan(
 
     config = load_config(recipe, overrides + ac_choice)
     degrees = _resolve_degrees(config.parallelism, world, topology)
-    _check_seq_len(config.training.seq_len, topology)
+    topology.target.check_seq_len(config.training.seq_len, topology.lnc)
     shape = model_shape(config)
     if degrees.expert_parallel > 1 and not shape.experts:
         raise LaunchError(
@@ -467,16 +467,6 @@ def _resolve_degrees(parallelism: Any, world: int, topology: Topology) -> Parall
             f"choose --ep dividing {dense}."
         )
     return degrees
-
-
-def _check_seq_len(seq_len: int, topology: Topology) -> None:
-    multiple = topology.seq_len_multiple
-    if seq_len % multiple:
-        nearest = max(multiple, round(seq_len / multiple) * multiple)
-        raise LaunchError(
-            f"Sequence length {seq_len} is not a multiple of {multiple} (128 x LNC {topology.lnc}), "
-            f"which the Neuron kernels on {topology.name} require; pass --seq-len {nearest}."
-        )
 
 
 def _ac_mode(ac_config: Any) -> str:

@@ -12,7 +12,7 @@ from qwentitan.launch.plan import (
     LaunchPlan,
     resolve_plan,
 )
-from qwentitan.launch.topology import INSTANCES
+from qwentitan.launch.target import TARGETS
 
 
 def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
@@ -20,7 +20,7 @@ def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
     parser.add_argument("--recipe", required=recipe_required, help="recipe function name")
     parser.add_argument(
         "--instance",
-        help=f"one of {', '.join(INSTANCES)} (default: trn2.48xlarge for trn2 recipes, "
+        help=f"one of {', '.join(TARGETS)} (default: trn2.48xlarge for trn2 recipes, "
         "else this host)",
     )
     parser.add_argument(
@@ -105,7 +105,7 @@ def describe(plan: LaunchPlan) -> str:
     lines = [
         f"recipe        {plan.recipe}  ({d['model']['name']} {d['model']['flavor']}, "
         f"{(plan.model_shape.params if plan.model_shape else 0) / 1e9:.2f}B params)",
-        f"instance      {t.name} x {plan.nodes} node(s): {t.instance.description}",
+        f"instance      {t.name} x {plan.nodes} node(s): {t.target.description}",
         f"ranks         {plan.world_size} = {plan.nodes} x {plan.ranks_per_node} per node, "
         f"{t.device_type} / {t.backend}"
         + (f", LNC {plan.lnc}" if t.device_type == "neuron" else ""),

@@ -1,8 +1,9 @@
 """Where training runs: `cpu`, `cuda` or `neuron`, and what each one can do.
 
 `current_platform()` is the one place that chooses; every other module asks the `Platform` it
-returns (device type, process-group backend, device module, memory, peak FLOPs, attention,
-how many ranks fit, which sequence lengths work) instead of probing torch itself.
+returns (device module, memory, how many ranks this host holds) instead of probing torch itself.
+The facts of the machine kind (device type, backend, peak FLOPs, attention, which sequence
+lengths work) are its `Target`'s (`target.py`), which the Platform only passes on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import psutil
 import torch
 
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.target import NEURON_TARGET, TARGETS, Target, runtime_lnc
 
 __all__ = [
     "PLATFORM_NAMES",
@@ -32,11 +34,6 @@ PLATFORM_NAMES = ("cpu", "cuda", "neuron")
 
 # Environment variable that forces a platform (for example `cpu` on a GPU host).
 PLATFORM_ENV = "QWENTITAN_PLATFORM"
-
-# Trainium2 NeuronCore-v3 TensorEngine: 79 BF16 TFLOPS per physical core; a rank owns LNC
-# physical cores (aws-neuron/aws-neuron-sdk, about-neuron/arch/neuron-hardware/neuron-core-v3.rst;
-# torchtitan's tools/utils.py uses the same figure).
-_NEURON_TFLOPS_PER_PHYSICAL_CORE = 79e12
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,23 +109,36 @@ class CpuDeviceModule:
 
 @dataclass(frozen=True, slots=True)
 class Platform:
-    """What one kind of host offers a training process."""
+    """What this host offers a training process: its `Target`'s facts plus the live device."""
 
     name: str
-    device_type: str
-    backend: str
-    """torch.distributed process-group backend: gloo, nccl or neuron."""
-    attention: str
-    """Attention implementation that trains here: `sdpa` (no FlexAttention backward on CPU,
-    no Inductor on Neuron) or `flex`."""
+    target: Target
     max_ranks: int
     """Training processes this host holds: one per core on CPU, one per device otherwise."""
-    peak_flops: float | None
-    """Peak dense BF16 FLOP/s of one rank, where published; None on CPU (MFU not reported)."""
-    seq_len_multiple: int = 1
-    """Sequence lengths must be a multiple of this (128 x LNC on Neuron)."""
     lnc: int | None = None
     _device_module: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def device_type(self) -> str:
+        return self.target.device_type
+
+    @property
+    def backend(self) -> str:
+        """torch.distributed process-group backend: gloo, nccl or neuron."""
+        return self.target.backend
+
+    @property
+    def attention(self) -> str:
+        return self.target.attention
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak dense BF16 FLOP/s of one rank, where published; None on CPU (MFU not reported)."""
+        return self.target.peak_flops(self.lnc or 1)
+
+    @property
+    def seq_len_multiple(self) -> int:
+        return self.target.seq_len_multiple(self.lnc or 1)
 
     @property
     def device_module(self) -> Any:
@@ -163,41 +173,21 @@ class Platform:
         return sysfs_peak_bytes(int(core), lnc=self.lnc or 1) if core.isdigit() else None
 
     def check_ranks(self, ranks: int) -> None:
+        """`train --ranks`: the Target's rule for its kind (on CPU, the same limit `plan` uses)."""
+        if self.device_type == "cpu":
+            self.target.check_ranks(ranks, flag="--ranks")
+            return
         if ranks < 1:
             raise LaunchError(f"--ranks {ranks} is not a positive number; pass --ranks 1 or more.")
         if ranks > self.max_ranks:
-            unit = "CPU cores" if self.device_type == "cpu" else f"{self.device_type} devices"
             raise LaunchError(
                 f"--ranks {ranks} is more than this {self.name} host holds ({self.max_ranks} "
-                f"{unit}); pass --ranks {self.max_ranks} or fewer."
+                f"{self.device_type} devices); pass --ranks {self.max_ranks} or fewer."
             )
 
     def check_seq_len(self, seq_len: int, max_seq_len: int) -> None:
         """Refuse a sequence length this platform or the model's RoPE table cannot take."""
-        if seq_len < 2:
-            raise LaunchError(f"--seq-len {seq_len} is too short; pass 2 or more tokens.")
-        if seq_len % self.seq_len_multiple:
-            raise LaunchError(
-                f"--seq-len {seq_len} is not a multiple of {self.seq_len_multiple}, which "
-                f"{self.name} needs (128 x LNC {self.lnc}); pass "
-                f"--seq-len {_round_up(seq_len, self.seq_len_multiple)}."
-            )
-        if seq_len > max_seq_len:
-            raise LaunchError(
-                f"--seq-len {seq_len} is longer than the model's {max_seq_len} positions; "
-                f"pass --seq-len {max_seq_len} or less."
-            )
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return os.cpu_count() or 1
+        self.target.check_seq_len(seq_len, self.lnc or 1, max_seq_len)
 
 
 def _torch_neuron() -> Any:
@@ -221,41 +211,20 @@ def _torch_neuron() -> Any:
 def get_platform(name: str) -> Platform:
     """The platform called `name` (`cpu`, `cuda`, `neuron`), as this host would run it."""
     if name == "cpu":
-        return Platform(
-            name="cpu",
-            device_type="cpu",
-            backend="gloo",
-            attention="sdpa",
-            max_ranks=_cpu_cores(),
-            peak_flops=None,
-            _device_module=_CPU_DEVICE_MODULE,
-        )
+        cpu = TARGETS["cpu"]
+        return Platform("cpu", cpu, cpu.max_ranks(), _device_module=_CPU_DEVICE_MODULE)
     if name == "cuda":
-        from torchtitan.tools.utils import get_peak_flops
-
-        available = torch.cuda.is_available()
-        return Platform(
-            name="cuda",
-            device_type="cuda",
-            backend="nccl",
-            attention="flex",
-            max_ranks=torch.cuda.device_count() if available else 0,
-            peak_flops=get_peak_flops(torch.cuda.get_device_name()) if available else None,
-        )
+        cuda = TARGETS["cuda"]
+        return Platform("cuda", cuda, cuda.max_ranks())
     if name == "neuron":
         from qwentitan.launch.neuron_runtime import NeuronDeviceModule
 
-        lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
         module = _torch_neuron()
         return Platform(
             name="neuron",
-            device_type="neuron",
-            backend="neuron",
-            attention="sdpa",
+            target=TARGETS[NEURON_TARGET],
             max_ranks=module.device_count() if module is not None else 0,
-            peak_flops=_NEURON_TFLOPS_PER_PHYSICAL_CORE * lnc,
-            seq_len_multiple=128 * lnc,
-            lnc=lnc,
+            lnc=runtime_lnc(),
             # TorchNeuron's memory_stats() is nested; torchtitan reads torch.cuda's flat keys.
             _device_module=NeuronDeviceModule(module) if module is not None else None,
         )

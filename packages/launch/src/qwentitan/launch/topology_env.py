@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qwentitan.launch.target import LNC_ENV
 from qwentitan.launch.topology import Topology
 
 # EFA settings AWS uses for multi-node collectives (torchtitan's multinode_trainer.slurm and the
@@ -26,10 +27,10 @@ def plan_env(topology: Topology, *, nodes: int, compile_cache: str) -> dict[str,
     env: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if topology.device_type == "neuron":
         # The runtime's LNC and the compiler's --lnc must be equal or the NEFF fails to load.
-        env["NEURON_LOGICAL_NC_CONFIG"] = str(topology.lnc)
+        env[LNC_ENV] = str(topology.lnc)
         env["NEURON_CC_FLAGS"] = f"--lnc={topology.lnc}"
-        env["NEURON_PLATFORM_TARGET_OVERRIDE"] = topology.instance.compile_target or ""
+        env["NEURON_PLATFORM_TARGET_OVERRIDE"] = topology.target.compile_target or ""
         env["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(Path(compile_cache).expanduser())
-    if nodes > 1 and topology.instance.efa:
+    if nodes > 1 and topology.target.efa:
         env.update(EFA_ENV)
     return env

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
     plan = resolve_plan(
         args.recipe,
-        instance="trn2.48xlarge" if platform.device_type == "neuron" else platform.device_type,
+        instance=platform.target.name,
         ranks_per_node=ranks,
         seq_len=args.seq_len,
         local_batch=args.local_batch_size,

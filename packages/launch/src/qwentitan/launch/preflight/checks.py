@@ -18,8 +18,7 @@ from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env, rank
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import LaunchPlan
 from qwentitan.launch.preflight.report import CheckResult
-
-GIB = 1024**3
+from qwentitan.launch.target import GIB, LNC_ENV, configured_lnc
 
 # The matrix the README's "Tested matrix" lists: version prefixes that were run.
 TESTED = {
@@ -89,10 +88,10 @@ def check_devices(plan: LaunchPlan) -> CheckResult:
 def check_lnc(plan: LaunchPlan) -> CheckResult:
     if plan.topology.device_type != "neuron":
         return CheckResult("lnc", "skip", "LNC applies to Trainium only")
-    runtime = plan.env.get("NEURON_LOGICAL_NC_CONFIG")
+    runtime = configured_lnc(plan.env)
     compiler = lnc_in_compiler_flags(plan.env.get("NEURON_CC_FLAGS", ""))
     figures = {"plan_lnc": plan.lnc, "runtime": runtime, "compiler": compiler}
-    if runtime != str(plan.lnc) or compiler != plan.lnc:
+    if runtime != plan.lnc or compiler != plan.lnc:
         return CheckResult(
             "lnc", "fail", f"runtime LNC {runtime} and compiler --lnc {compiler} differ", figures
         )
@@ -104,8 +103,7 @@ def check_lnc(plan: LaunchPlan) -> CheckResult:
     return CheckResult(
         "lnc",
         "pass",
-        f"NEURON_LOGICAL_NC_CONFIG={runtime} and NEURON_CC_FLAGS --lnc={compiler} agree "
-        f"(this shell included)",
+        f"{LNC_ENV}={runtime} and NEURON_CC_FLAGS --lnc={compiler} agree (this shell included)",
         figures,
     )
 
@@ -117,11 +115,14 @@ def check_seq_len(plan: LaunchPlan) -> CheckResult:
         return CheckResult(
             "seq_len", "skip", f"no tiling rule on {plan.topology.device_type}", figures
         )
-    ok = plan.seq_len % multiple == 0
+    try:  # the Target's rule, the one `plan` and `train` refuse by
+        plan.topology.target.check_seq_len(plan.seq_len, plan.lnc)
+    except LaunchError as error:
+        return CheckResult("seq_len", "fail", str(error), figures)
     return CheckResult(
         "seq_len",
-        "pass" if ok else "fail",
-        f"{plan.seq_len} is {'' if ok else 'not '}a multiple of {multiple} (128 x LNC {plan.lnc})",
+        "pass",
+        f"{plan.seq_len} is a multiple of {multiple} (128 x LNC {plan.lnc})",
         figures,
     )
 
@@ -216,7 +217,7 @@ def check_kernels(plan: LaunchPlan) -> CheckResult:
 
 
 def env_summary() -> dict[str, str]:
-    keys = ("NEURON_LOGICAL_NC_CONFIG", "NEURON_CC_FLAGS", "NEURON_RT_VISIBLE_CORES")
+    keys = (LNC_ENV, "NEURON_CC_FLAGS", "NEURON_RT_VISIBLE_CORES")
     return {k: os.environ[k] for k in keys if k in os.environ}
 
 

@@ -20,13 +20,14 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.target import NEURON_TARGET
 
 if TYPE_CHECKING:
     from torchtitan.trainer import Trainer
 
 _TINY = "qwentitan.launch.recipes.tiny"
 _TRN2 = "qwentitan.launch.recipes.trn2"
-TRN2_INSTANCE = "trn2.48xlarge"
+TRN2_INSTANCE = NEURON_TARGET
 
 
 @dataclass(frozen=True, slots=True)

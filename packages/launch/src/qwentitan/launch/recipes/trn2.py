@@ -45,13 +45,12 @@ def qwen3_30b_a3b_folder() -> str:
 
 
 def _model_spec(flavor: str, recipe: str):
-    from qwentitan.launch.platforms import get_platform
+    from qwentitan.launch.target import TARGETS
     from qwentitan.modeling import model_spec
 
-    # The attention that trains on Trainium (SDPA: no Inductor there, so no FlexAttention),
-    # whatever host the plan is made on.
-    path = recipe_info(recipe).path
-    return model_spec(flavor, path, attn_backend=get_platform("neuron").attention)
+    # The attention that trains on the recipe's Trainium target, whatever host plans it.
+    info = recipe_info(recipe)
+    return model_spec(flavor, info.path, attn_backend=TARGETS[info.instance].attention)
 
 
 def _metrics(recipe: str):

@@ -12,6 +12,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from qwentitan.launch.target import runtime_lnc
+
 # Distributions whose versions decide whether two runs are comparable.
 VERSIONED = (
     "torch",
@@ -82,7 +84,7 @@ def logical_core_config(platform: str) -> str:
     """LNC as the Neuron runtime sees it (default 2 on trn2); "n/a" off Trainium."""
     if platform != "neuron":
         return "n/a"
-    return os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")
+    return str(runtime_lnc())
 
 
 def nodes() -> int:
