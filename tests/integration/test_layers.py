@@ -42,6 +42,7 @@ LAUNCH_LAYERS: dict[str, str] = {
     "preemption": "runtime",
     # Before torchrun: commands, plans, scripts, checks.
     "cli": "launcher",
+    "agent": "launcher",
     "commands": "launcher",
     "flags": "launcher",
     "plan": "launcher",

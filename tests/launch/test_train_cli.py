@@ -70,7 +70,7 @@ def test_plan_json_shows_the_torchrun_line_train_runs(capsys, launched, tmp_path
         cli.main(["plan", "--recipe", "tiny_dense", "--dump-folder", str(run_dir), "--json"]) == 0
     )
     planned = json.loads(capsys.readouterr().out)["torchrun"]
-    assert train_argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert train_argv[:3] == [sys.executable, "-m", "qwentitan.launch.agent"]
     assert train_argv[3:] == planned[1:] and planned[0] == "torchrun"
     assert "--rdzv-backend=c10d" in planned and f"--dump-folder {run_dir}" in " ".join(planned)
     # One pipeline: `run` launches the same line with the same rank environment.

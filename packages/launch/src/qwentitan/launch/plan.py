@@ -117,8 +117,9 @@ class LaunchPlan:
         return args + self.trainer_args()
 
     def launch_argv(self) -> list[str]:
-        """What `train` and `run` execute: `torchrun_args()` through this Python's torchrun."""
-        return [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args()[1:]]
+        """What `train` and `run` execute: `torchrun_args()` through this Python's torchrun
+        (`qwentitan.launch.agent`: torchrun's own parser and run, a failed rank in one line)."""
+        return [sys.executable, "-m", "qwentitan.launch.agent", *self.torchrun_args()[1:]]
 
     def command(self) -> str:
         return shlex.join(self.torchrun_args())

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -236,7 +235,7 @@ def smoke_command(plan: LaunchPlan, run_dir: Path) -> list[str]:
     at = len(overrides) - (bool(overrides) and overrides[-1].startswith("activation-checkpoint:"))
     overrides[at:at] = smoke
     one_node = dataclasses.replace(plan, nodes=1, rdzv_endpoint="localhost:0", overrides=overrides)
-    return [sys.executable, "-m", "torch.distributed.run", *one_node.torchrun_args()[1:]]
+    return one_node.launch_argv()
 
 
 def check_compile_smoke(

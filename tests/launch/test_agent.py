@@ -1,0 +1,53 @@
+"""The torchrun agent `train` and `run` start: a failed rank ends the job in one line with the
+rank's exit code, not torchrun's traceback."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def agent(tmp_path, body: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.run(
+        [sys.executable, "-m", "qwentitan.launch.agent", "--standalone", "--nproc-per-node=1",
+         str(script)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+def test_a_rank_that_explains_its_failure_ends_the_job_with_its_code_and_no_traceback(tmp_path):
+    result = agent(
+        tmp_path,
+        """
+        import sys
+        print("the disk is full: free space and resume", file=sys.stderr)
+        sys.exit(2)
+        """,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert "the disk is full: free space and resume" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "qwentitan-launch: rank 0 ended with exit code 2; its own message is above."
+
+
+def test_a_job_whose_ranks_succeed_exits_0(tmp_path):
+    result = agent(tmp_path, "print('trained')\n")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trained" in result.stdout
+
+
+def test_a_rank_killed_by_a_signal_is_exit_code_1(tmp_path):
+    result = agent(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith("ended with a signal; its own message is above.")
+    )
