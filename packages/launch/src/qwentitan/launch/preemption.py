@@ -7,8 +7,9 @@ user's Ctrl-C (SIGINT) all give a job a short grace period. Two halves:
 - in every training rank, `PreemptionWatch` records SIGTERM / SIGUSR1 / SIGINT instead of
   dying; at the next step boundary the trainer asks `stop_requested()`, which all-reduces the
   flag so every rank stops at the same step even when only some received the signal, then
-  saves a full checkpoint and returns normally (exit code 0). A second SIGINT stops at once
-  (KeyboardInterrupt), as a user pressing Ctrl-C twice expects;
+  saves a full checkpoint and returns normally (exit code 0). A second SIGINT stops the rank
+  at once with one line and exit code 130, as a user pressing Ctrl-C twice expects (no
+  checkpoint of this step: `--resume` continues from the previous one);
 - in `qwentitan-launch train` and `run`, `supervise` owns the process tree: it starts the
   torchrun agent in a session of its own (so a terminal's Ctrl-C reaches the launcher only,
   not the agent, whose own SIGINT handling would pass SIGINT on to the ranks a second time),
@@ -63,7 +64,14 @@ class PreemptionWatch:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received is not None:
-            raise KeyboardInterrupt  # Ctrl-C twice: stop now, without the checkpoint
+            # Ctrl-C twice: stop now, without the checkpoint, and without a traceback per rank
+            # (a KeyboardInterrupt would unwind through torchtitan and print one on every rank).
+            os.write(
+                2,
+                b"Stopped at once by a second Ctrl-C, without saving this step; "
+                b"--resume continues from the last checkpoint.\n",
+            )
+            os._exit(128 + signal.SIGINT)
         # Only a flag: the step in flight finishes, collectives stay matched across ranks.
         self.received = signal.Signals(signum)
 
