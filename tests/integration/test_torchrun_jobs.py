@@ -1,6 +1,6 @@
 """Jobs launched through torchrun agents: two agents on this machine join one c10d rendezvous
 over loopback as two "nodes"; SIGKILL of one rank -> torchrun restarts the group from the last
-checkpoint; SIGTERM -> a checkpoint at the next step boundary, clean exit, and a resume continues
+checkpoint; SIGINT (Ctrl-C) to the launcher -> a checkpoint at the next step boundary, clean exit, and a resume continues
 from it. The process tree is what these test, so they launch `qwentitan-launch run` as a process."""
 
 import os
@@ -91,11 +91,11 @@ def _ranks(run_pid: int) -> list[psutil.Process]:
     return [rank for agent in agents for rank in agent.children()]
 
 
-def test_sigkill_restarts_from_the_last_checkpoint_sigterm_stops_with_one_and_resume_ends(
+def test_sigkill_restarts_from_the_last_checkpoint_sigint_stops_with_one_and_resume_ends(
     tmp_path,
 ):
     """One launch, two faults: SIGKILL of a rank makes torchrun restart the group from the newest
-    checkpoint; then SIGTERM to `run` checkpoints at the next step boundary and exits cleanly;
+    checkpoint; then SIGINT to `run` checkpoints at the next step boundary and exits cleanly;
     a second launch resumes from that checkpoint and runs exactly the remaining steps."""
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoint"
@@ -111,9 +111,10 @@ def test_sigkill_restarts_from_the_last_checkpoint_sigterm_stops_with_one_and_re
             lambda: "Loading the checkpoint from" in first.read_text(), 400, "the restart", proc
         )
         restarted = first.read_text().index("Loading the checkpoint from")
-        # A step trained after the restart, then the launcher is told to stop.
+        # A step trained after the restart, then the launcher alone gets a Ctrl-C (SIGINT), which
+        # the ranks treat like SIGTERM: a checkpoint at the next step boundary, then exit 0.
         wait_for(lambda: logged_steps(first.read_text()[restarted:]), 400, "a step", proc)
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -130,8 +131,8 @@ def test_sigkill_restarts_from_the_last_checkpoint_sigterm_stops_with_one_and_re
     after = logged_steps(text[text.index("Loading the checkpoint from") :])
     stopped_at = after[-1]
     assert after == list(range(resumed_from + 1, stopped_at + 1))
-    # SIGTERM: a checkpoint at the step the ranks stopped after, before the last step.
-    assert "SIGTERM received" in text
+    # SIGINT: a checkpoint at the step the ranks stopped after, before the last step.
+    assert "SIGINT received" in text
     assert stopped_at < 10 and saved_steps(checkpoints)[-1] == stopped_at
 
     second = tmp_path / "second.log"

@@ -22,7 +22,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
     ("sig", "ranks_get", "exit_code"),
     [
         (signal.SIGTERM, signal.SIGTERM, 0),
-        (signal.SIGINT, signal.SIGINT, 0),
+        # SIGINT to the launcher: tests/integration/test_torchrun_jobs.py stops its run with it
         # the kernel tells the agent (PR_SET_PDEATHSIG), which SIGTERMs its ranks
         (signal.SIGKILL, signal.SIGTERM, -signal.SIGKILL),
     ],
