@@ -32,6 +32,7 @@ _REPORT = {
     "first_loss": 11.94773,
     "final_loss": 9.5,
     "last_validation_loss": 9.75,
+    "last_validation_step": 2,
     "warmup_time_s": 7.14,
     "sustained_tokens_per_second": 1234.4,
     "run_dir": "/runs/a",
@@ -49,7 +50,7 @@ def test_block_names_every_figure_and_how_to_open_the_mlflow_run():
     block = format_summary({**_REPORT, "mlflow": mlflow}, "/runs/a/checkpoint")
     rows = _rows(block)
     assert rows["loss"] == "11.9477 -> 9.5000 (step 1 -> 3)"
-    assert rows["validation loss"] == "9.7500"
+    assert rows["validation loss"] == "9.7500 (step 2)"
     assert rows["tokens/s"].startswith("1234 sustained")
     assert rows["warm-up"].startswith("7.1 s")
     assert rows["checkpoints"] == "/runs/a/checkpoint"
@@ -78,6 +79,7 @@ def test_summary_keeps_the_last_validation_loss():
     summary.observe(2, {"loss": 2.0, "step_time_s": 1.0})
     summary.observe(4, {"validation/loss": 1.5})
     assert summary.metrics()["summary/last_validation_loss"] == 1.5
+    assert summary.last_validation_step == 4
     assert summary.final_loss == 2.0 and summary.last_step == 2
 
 
@@ -91,7 +93,7 @@ def test_summary_logger_writes_the_report_with_mlflow_off(tmp_path):
     report = json.loads((tmp_path / "reports" / "summary.json").read_text())
     assert report["first_step"] == 1 and report["last_step"] == 3
     assert report["first_loss"] == 10.0 and report["final_loss"] == pytest.approx(10 / 3)
-    assert report["last_validation_loss"] == 4.0
+    assert report["last_validation_loss"] == 4.0 and report["last_validation_step"] == 3
     assert report["sustained_tokens_per_second"] == 2 * 250.0  # median of 200, 300; two ranks
     assert report["mlflow"] is None
 
@@ -136,7 +138,8 @@ def test_train_ends_with_the_summary_and_without_the_noise(
     assert launcher.rstrip().splitlines()[-8] == "Summary"  # the block ends the console
     rows = _rows(launcher[launcher.rindex("Summary\n") :])
     assert rows["loss"] == f"{losses[1]:.4f} -> {losses[3]:.4f} (step 1 -> 3)"
-    assert abs(float(rows["validation loss"]) - validation[max(validation)]) < 1e-3
+    last_validated = max(validation)
+    assert rows["validation loss"] == f"{validation[last_validated]:.4f} (step {last_validated})"
     assert float(rows["tokens/s"].split()[0]) > 0
     assert float(rows["warm-up"].split()[0]) > 0
     assert rows["checkpoints"] == str((run_dir / "checkpoint").resolve())

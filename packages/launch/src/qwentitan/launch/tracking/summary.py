@@ -35,11 +35,13 @@ class RunSummary:
     final_loss: float | None = None
     warmup_time_s: float | None = None
     last_validation_loss: float | None = None
+    last_validation_step: int | None = None
     _later: dict[str, list[float]] = field(default_factory=dict)
 
     def observe(self, step: int, values: dict[str, float]) -> None:
         if "validation/loss" in values:
             self.last_validation_loss = values["validation/loss"]
+            self.last_validation_step = step
         if "loss" not in values:
             return  # validation or other off-step logs do not shape the training summary
         if self.first_step is None:
@@ -95,10 +97,12 @@ def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | No
     first, last = report.get("first_step"), report.get("last_step")
     steps = f" (step {first} -> {last})" if first is not None else ""
     tps = report.get("sustained_tokens_per_second")
+    validated_at = report.get("last_validation_step")
+    validated = f" (step {validated_at})" if validated_at is not None else ""
     warmup = report.get("warmup_time_s")
     rows = [
         ("loss", f"{number('first_loss')} -> {number('final_loss')}{steps}"),
-        ("validation loss", number("last_validation_loss")),
+        ("validation loss", number("last_validation_loss") + validated),
         (
             "tokens/s",
             f"{tps:.0f} sustained (median of the steps after the first)"

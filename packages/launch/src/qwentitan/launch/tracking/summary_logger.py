@@ -40,6 +40,7 @@ class SummaryLogger(BaseLogger):
         report = {
             "first_step": self.summary.first_step,
             "last_step": self.summary.last_step,
+            "last_validation_step": self.summary.last_validation_step,
             **figures,
             "run_dir": str(self.run_dir),
             "mlflow": mlflow,
