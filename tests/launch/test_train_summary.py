@@ -98,6 +98,17 @@ def test_summary_logger_writes_the_report_with_mlflow_off(tmp_path):
     assert report["mlflow"] is None
 
 
+def test_summary_logger_says_in_one_line_when_the_run_folder_refuses_the_report(tmp_path, caplog):
+    (tmp_path / "reports").write_text("a file where the folder should be")
+    logger = SummaryLogger(tmp_path, world_size=1, mlflow=None)
+    logger.log({"loss_metrics/global_avg_loss": 1.0}, 1)
+    with caplog.at_level(logging.WARNING):
+        logger.close()  # no exception: training is done, its figures are on the console
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"The run summary could not be written to {tmp_path / 'reports'}")
+    assert "\n" not in said
+
+
 def test_quiet_console_drops_the_noise_and_nothing_else(caplog):
     quiet_console()
     quiet_console()  # a second call adds no second filter

@@ -7,15 +7,18 @@ end, from RUN_DIR/reports/summary.json; this logger writes that file at close, w
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from torchtitan.components.metrics import BaseLogger
 
-from qwentitan.launch.tracking.logger import MLflowLogger
+from qwentitan.launch.tracking.logger import REPORTS_FOLDER, MLflowLogger
 from qwentitan.launch.tracking.reports import SUMMARY, attach_report
 from qwentitan.launch.tracking.summary import RunSummary, step_values
+
+log = logging.getLogger(__name__)
 
 
 class SummaryLogger(BaseLogger):
@@ -45,4 +48,15 @@ class SummaryLogger(BaseLogger):
             "run_dir": str(self.run_dir),
             "mlflow": mlflow,
         }
-        attach_report(self.run_dir, SUMMARY, report)
+        try:
+            attach_report(self.run_dir, SUMMARY, report)
+        except OSError as error:
+            # At the very end (disk full, folder gone read-only): training and its checkpoint are
+            # done, so one line instead of a traceback; the launcher then prints no block.
+            log.warning(
+                "The run summary could not be written to %s (%s); the figures are in the log "
+                "above%s.",
+                self.run_dir / REPORTS_FOLDER,
+                error.strerror or error,
+                " and the MLflow run" if self.mlflow is not None else "",
+            )
