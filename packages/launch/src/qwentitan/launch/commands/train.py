@@ -11,7 +11,9 @@ sequence length, every line of a local dataset, the tokenizer folder, the checkp
 in the run folder (under `--resume`: whole, and of this recipe's model; without it: none), and
 the free disk the planned checkpoints need. Each fresh run without `--run-dir` gets its own
 folder `outputs/RECIPE/<start time>`, and `outputs/RECIPE/latest` points at the newest one,
-which `--resume` continues: nothing is ever deleted.
+which `--resume` continues: nothing is ever deleted. When the ranks end, `train` prints one
+summary block (`tracking.summary.format_summary`) from RUN_DIR/reports/summary.json, which the
+metrics rank wrote at close.
 """
 
 from __future__ import annotations
