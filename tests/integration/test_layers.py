@@ -33,6 +33,7 @@ LAUNCH_LAYERS: dict[str, str] = {
     # What torchtitan.train imports on every rank, and the machine facts it reads.
     "recipes": "runtime",
     "trainer": "runtime",
+    "console": "runtime",  # the ranks' log and warning filters, installed by trainer
     "data": "runtime",
     "platforms": "runtime",
     "neuron_runtime": "runtime",

@@ -20,6 +20,8 @@ This module adds only what torchtitan 0.3.0 lacks, one place each:
   `step-N` folder and ends the rank with one sentence, so no later `--resume` takes it for a
   whole checkpoint. DCP writes `.metadata` last (through a temporary file), so a rank killed
   mid-save already leaves a folder that torchtitan and `--resume` skip.
+- `console.quiet_console()` (on import): torchtitan's and torch's lines a user cannot act on
+  are dropped; the MFU peak is said once, by the Trainer.
 - `Trainer.train_step()`: the first step of a process is timed apart (on Neuron it compiles for
   minutes) and, on Neuron, followed by the list of ops TorchNeuron ran on the CPU; both go to
   RUN_DIR/reports/first_step.json (what `preflight --compile-smoke` reads), the CPU fallbacks
@@ -43,6 +45,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
 from torchtitan.tools.logging import logger
 
+from qwentitan.launch.console import quiet_console
 from qwentitan.launch.neuron_runtime import report_fallback_ops
 from qwentitan.launch.platforms import Platform, current_platform
 from qwentitan.launch.preemption import PreemptionWatch
@@ -54,6 +57,9 @@ __all__ = [
     "guard_saves",
     "use_platform",
 ]
+
+# Before torchtitan builds a rank's config and Trainer (the recipe module imports this one).
+quiet_console()
 
 # Exit code of a rank whose checkpoint could not be written: a fault of the environment.
 SAVE_FAILED_EXIT = 2
@@ -175,10 +181,12 @@ class Trainer(torchtitan_trainer.Trainer):
             force_sum_reduction(self.model_parts)
         if self.platform.peak_flops is not None:
             self.metrics_processor.gpu_peak_flops = self.platform.peak_flops
+            logger.info(f"MFU against {self.platform.peak_flops:.3e} peak FLOP/s per rank.")
         else:
             # No published peak here (CPU): torchtitan's only switch that drops MFU from the
             # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.
             self.metrics_processor.has_quantization = True
+            logger.info(f"MFU: n/a on {self.platform.name} (no published peak FLOP/s).")
 
     def train_step(self, data_iterator) -> None:
         if self.first_step_done:

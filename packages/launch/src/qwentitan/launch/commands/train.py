@@ -11,12 +11,16 @@ sequence length, every line of a local dataset, the tokenizer folder, the checkp
 in the run folder (under `--resume`: whole, and of this recipe's model; without it: none), and
 the free disk the planned checkpoints need. Each fresh run without `--run-dir` gets its own
 folder `outputs/RECIPE/<start time>`, and `outputs/RECIPE/latest` points at the newest one,
-which `--resume` continues: nothing is ever deleted.
+which `--resume` continues: nothing is ever deleted. When the ranks end, `train` prints one
+summary block (`tracking.summary.format_summary`) from RUN_DIR/reports/summary.json, which the
+metrics rank wrote at close.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from pathlib import Path
 
 from qwentitan.launch.errors import LaunchError
@@ -161,7 +165,27 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.steps} steps, run folder {run_dir}",
         flush=True,
     )
-    return supervise(plan.launch_argv(), rank_env(plan))
+    started = time.time()
+    code = supervise(plan.launch_argv(), rank_env(plan))
+    summary = _summary_block(
+        run_dir, plan.checkpoint_folder if plan.config.checkpoint.enable else None, started
+    )
+    if summary is not None:
+        print(summary, flush=True)
+    return code
+
+
+def _summary_block(run_dir: Path, checkpoint_folder: Path | None, started: float) -> str | None:
+    """The block the metrics rank left for this run (None if it wrote none: a failed start)."""
+    from qwentitan.launch.tracking.logger import REPORTS_FOLDER
+    from qwentitan.launch.tracking.reports import SUMMARY
+    from qwentitan.launch.tracking.summary import format_summary
+
+    path = run_dir / REPORTS_FOLDER / f"{SUMMARY}.json"
+    # An earlier run's file (a run folder continued with --resume) is not this run's summary.
+    if not path.is_file() or path.stat().st_mtime < started:
+        return None
+    return format_summary(json.loads(path.read_text(encoding="utf-8")), checkpoint_folder)
 
 
 def _train_overrides(args: argparse.Namespace) -> list[str]:

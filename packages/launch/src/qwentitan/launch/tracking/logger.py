@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -25,10 +24,10 @@ from torchtitan.config import Configurable
 from qwentitan.launch import env_defaults
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.tracking import context, cost
-from qwentitan.launch.tracking.names import flatten_config, metric_name
+from qwentitan.launch.tracking.names import flatten_config
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
 from qwentitan.launch.tracking.store import REQUEST_TIMEOUT_S, bounded_http, now_ms
-from qwentitan.launch.tracking.summary import RunSummary
+from qwentitan.launch.tracking.summary import RunSummary, step_values
 from qwentitan.launch.tracking.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -174,14 +173,7 @@ class MLflowLogger(BaseLogger, Configurable):
             _ACTIVE.append(self)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        values = {}
-        for key, value in metrics.items():
-            number = float(value)
-            # A metric with no meaning here (MFU where the platform has no known peak) is NaN.
-            if math.isfinite(number):
-                values[metric_name(key)] = number
-        if "tokens_per_second_per_device" in values:
-            values["tokens_per_second"] = values["tokens_per_second_per_device"] * self.world_size
+        values = step_values(metrics, self.world_size)
         self.summary.observe(step, values)
         self._last_step = max(self._last_step, step)
         self._emit("metrics", step=step, time_ms=now_ms(), values=values)

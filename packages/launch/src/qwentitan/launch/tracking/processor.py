@@ -3,7 +3,8 @@
 A recipe opts in with `metrics=TrackedMetrics.Config(mlflow=MLflowLogger.Config(recipe=...,
 path=...))`. The processor adds an `MLflowLogger` to torchtitan's `LoggerContainer` on the
 metrics rank only (the one torchtitan picks: rank 0, or the last pipeline stage's first rank),
-logs every step by default, and adds what torchtitan leaves out: process RSS, and MFU from the
+logs every step by default, writes the end-of-run summary (`SummaryLogger`, MLflow on or
+off), and adds what torchtitan leaves out: process RSS, and MFU from the
 platform's peak, with no MFU at all where no peak is known (CPU).
 """
 
@@ -25,6 +26,7 @@ from torchtitan.distributed import ParallelDims
 
 from qwentitan.launch.tracking import context
 from qwentitan.launch.tracking.logger import MLflowLogger, experiment_name
+from qwentitan.launch.tracking.summary_logger import SummaryLogger
 
 _GIB = 1024**3
 
@@ -76,18 +78,19 @@ class TrackedMetrics(MetricsProcessor):
             config_dict=config_dict,
             **kwargs,
         )
-        if not config.mlflow.enable or _rank() != _get_metrics_rank(
-            parallel_dims=parallel_dims, pp_schedule=pp_schedule
-        ):
+        if _rank() != _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule):
             return built
         container = built if isinstance(built, LoggerContainer) else LoggerContainer()
-        self.mlflow = config.mlflow.build(
-            run_dir=dump_folder,
-            config_dict=config_dict,
-            tags=_run_tags(config, parallel_dims, config_dict or {}),
-            world_size=parallel_dims.world_size,
-        )
-        container.add_logger(self.mlflow)
+        if config.mlflow.enable:
+            self.mlflow = config.mlflow.build(
+                run_dir=dump_folder,
+                config_dict=config_dict,
+                tags=_run_tags(config, parallel_dims, config_dict or {}),
+                world_size=parallel_dims.world_size,
+            )
+            container.add_logger(self.mlflow)
+        # Added last, so it closes after MLflow's logger and can report its run id.
+        container.add_logger(SummaryLogger(dump_folder, parallel_dims.world_size, self.mlflow))
         return container
 
     def log(

@@ -22,6 +22,7 @@ LAUNCH_PLAN = "launch_plan"
 PREFLIGHT = "preflight"
 CHECKPOINT_VERIFICATION = "checkpoint_verification"
 FIRST_STEP = "first_step"  # the first step's time (compile included) and the CPU fallbacks
+SUMMARY = "summary"  # the figures that end `train` on the console (summary_logger.py)
 
 
 def attach_report(

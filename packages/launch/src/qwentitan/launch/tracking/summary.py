@@ -2,15 +2,21 @@
 
 The first step a process runs includes compilation (and, on CPU, allocator warm-up), so it is
 reported on its own; throughput is the median of the steps after it, which a slow checkpoint
-or validation step cannot drag.
+or validation step cannot drag. The same figures end every `train` on the console
+(`format_summary`), read from RUN_DIR/reports/summary.json, which the metrics rank writes.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from qwentitan.launch.tracking.cost import cost_per_million_tokens
+from qwentitan.launch.tracking.names import metric_name
 
 _SUSTAINED = (
     "step_time_s",
@@ -28,9 +34,14 @@ class RunSummary:
     first_loss: float | None = None
     final_loss: float | None = None
     warmup_time_s: float | None = None
+    last_validation_loss: float | None = None
+    last_validation_step: int | None = None
     _later: dict[str, list[float]] = field(default_factory=dict)
 
     def observe(self, step: int, values: dict[str, float]) -> None:
+        if "validation/loss" in values:
+            self.last_validation_loss = values["validation/loss"]
+            self.last_validation_step = step
         if "loss" not in values:
             return  # validation or other off-step logs do not shape the training summary
         if self.first_step is None:
@@ -47,7 +58,7 @@ class RunSummary:
     def metrics(self, usd_per_hour: float | None = None, instances: int = 1) -> dict[str, float]:
         """`summary/...` metrics; sustained ones only once a step after the warm-up was seen."""
         out: dict[str, float] = {}
-        for name in ("first_loss", "final_loss", "warmup_time_s"):
+        for name in ("first_loss", "final_loss", "last_validation_loss", "warmup_time_s"):
             value = getattr(self, name)
             if value is not None:
                 out[f"summary/{name}"] = value
@@ -59,3 +70,67 @@ class RunSummary:
             if cost is not None:
                 out["summary/cost_usd_per_million_tokens"] = cost
         return out
+
+
+def step_values(metrics: Mapping[str, Any], world_size: int) -> dict[str, float]:
+    """torchtitan's metrics of one log call under MLflow names, with the job's tokens/s added.
+
+    A metric with no meaning here (MFU where the platform has no known peak) is NaN: left out.
+    """
+    values = {}
+    for key, value in metrics.items():
+        number = float(value)
+        if math.isfinite(number):
+            values[metric_name(key)] = number
+    if "tokens_per_second_per_device" in values:
+        values["tokens_per_second"] = values["tokens_per_second_per_device"] * world_size
+    return values
+
+
+def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | None) -> str:
+    """The block that ends `train`: what a user reads first, from RUN_DIR/reports/summary.json."""
+
+    def number(key: str) -> str:
+        value = report.get(key)
+        return "n/a" if value is None else f"{value:.4f}"
+
+    first, last = report.get("first_step"), report.get("last_step")
+    steps = f" (step {first} -> {last})" if first is not None else ""
+    tps = report.get("sustained_tokens_per_second")
+    validated_at = report.get("last_validation_step")
+    validated = f" (step {validated_at})" if validated_at is not None else ""
+    warmup = report.get("warmup_time_s")
+    rows = [
+        ("loss", f"{number('first_loss')} -> {number('final_loss')}{steps}"),
+        ("validation loss", number("last_validation_loss") + validated),
+        (
+            "tokens/s",
+            f"{tps:.0f} sustained (median of the steps after the first)"
+            if tps
+            else "n/a (no step after the first)",
+        ),
+        ("warm-up", f"{warmup:.1f} s (first step, compilation included)" if warmup else "n/a"),
+        ("checkpoints", str(checkpoint_folder) if checkpoint_folder else "off"),
+    ]
+    mlflow = report.get("mlflow")
+    if not mlflow:
+        rows.append(("MLflow", "off"))
+    elif not mlflow.get("run_id"):
+        rows.append(
+            (
+                "MLflow",
+                f"not confirmed; replay with `qwentitan-launch sync-mlflow {report.get('run_dir', 'RUN_DIR')}`",
+            )
+        )
+    else:
+        rows.append(("MLflow run", f"{mlflow['run_id']} in {mlflow['tracking_uri']}"))
+        rows.append(
+            (
+                "open it",
+                f"uv run mlflow ui --backend-store-uri {mlflow['tracking_uri']}  then "
+                f"http://127.0.0.1:5000/#/runs/{mlflow['run_id']}",
+            )
+        )
+    width = max(len(name) for name, _ in rows)
+    lines = [f"  {name:<{width}}  {text}" for name, text in rows]
+    return "\n".join(["Summary", *lines])

@@ -1,0 +1,60 @@
+"""The ranks' console, quiet about what a user cannot act on: every filter in one place.
+
+Installed when `trainer` is imported, which the recipe module does on every rank before
+torchtitan builds the config (where one of these lines is logged) and the Trainer (the rest),
+and in the launcher, which builds the same configs. Each line dropped here is either said once
+in plain words by qwentitan (the MFU line of `trainer.Trainer`) or carries nothing to act on.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+__all__ = ["NOISE", "quiet_console"]
+
+# Starts of torchtitan 0.3.0 log lines (all on the root logger) that are dropped, and why.
+NOISE: dict[str, str] = {
+    # tools/utils.py get_peak_flops: no `lspci` on most hosts and containers; the peak that
+    # matters comes from qwentitan's Target, never from lspci.
+    "Error running lspci": "qwentitan's Target sets the peak FLOPs",
+    # tools/utils.py get_peak_flops: on CPU torchtitan guesses an A100; qwentitan drops MFU
+    # there instead and says "MFU: n/a" once (trainer.Trainer).
+    "Peak flops undefined for": "MFU: n/a said once by the Trainer",
+    # trainer.py: the guessed (or replaced) peak; the Trainer logs the one it uses.
+    "Peak FLOPS used for computing MFU": "the Trainer logs the peak it uses",
+    # components/checkpointer/base.py: recipes set the flag for when an initial_load_path is
+    # given (`--checkpoint.initial_load_path`); without one it is simply unused.
+    "initial_load_model_only=True has no effect": "harmless default of the recipes",
+}
+
+# Python warnings (message regex, category) that are dropped, and why.
+_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # torch/distributed/tensor/_dispatch.py, on a CPU mesh: qwentitan seeds every rank alike
+    # and the CPU rehearsal does not rely on DTensor's random-op offsets.
+    ("DTensor random operators may not have complete support", UserWarning),
+    # torchdata's StatefulDataLoader calls torch.set_vital, deprecated by torch: not ours to fix.
+    ("'set_vital' is deprecated", UserWarning),
+)
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(message.startswith(start) for start in NOISE)
+
+
+_FILTER = _DropNoise()
+
+
+def quiet_console() -> None:
+    """Drop the lines of `NOISE` and the warnings above; calling it again changes nothing.
+
+    The filter sits on the root logger (where torchtitan logs), not on a handler, so it
+    survives torchtitan's `init_logger`, which replaces the handlers.
+    """
+    root = logging.getLogger()
+    if _FILTER not in root.filters:
+        root.addFilter(_FILTER)
+    for message, category in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -1,0 +1,160 @@
+"""The block that ends every `train`, and the console lines a user cannot act on kept out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import warnings
+
+import pytest
+from mlflow import MlflowClient
+
+from qwentitan.launch.console import quiet_console
+from qwentitan.launch.tracking.summary import RunSummary, format_summary
+from qwentitan.launch.tracking.summary_logger import SummaryLogger
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP = re.compile(r"(?<!validate )\bstep:\s+(\d+)\s+loss:\s+([0-9.]+)")
+_VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([0-9.]+)")
+# The lines issue 17 names, as torch and torchtitan 0.3.0 print them.
+_NOISE = (
+    "Peak flops undefined",
+    "Error running lspci",
+    "DTensor random operators",
+    "initial_load_model_only=True has no effect",
+    "Peak FLOPS used for computing MFU",
+)
+
+_REPORT = {
+    "first_step": 1,
+    "last_step": 3,
+    "first_loss": 11.94773,
+    "final_loss": 9.5,
+    "last_validation_loss": 9.75,
+    "last_validation_step": 2,
+    "warmup_time_s": 7.14,
+    "sustained_tokens_per_second": 1234.4,
+    "run_dir": "/runs/a",
+}
+
+
+def _rows(block: str) -> dict[str, str]:
+    lines = block.splitlines()
+    assert lines[0] == "Summary"
+    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in lines[1:])
+
+
+def test_block_names_every_figure_and_how_to_open_the_mlflow_run():
+    mlflow = {"run_id": "abc123", "tracking_uri": "sqlite:///runs/mlflow.db"}
+    block = format_summary({**_REPORT, "mlflow": mlflow}, "/runs/a/checkpoint")
+    rows = _rows(block)
+    assert rows["loss"] == "11.9477 -> 9.5000 (step 1 -> 3)"
+    assert rows["validation loss"] == "9.7500 (step 2)"
+    assert rows["tokens/s"].startswith("1234 sustained")
+    assert rows["warm-up"].startswith("7.1 s")
+    assert rows["checkpoints"] == "/runs/a/checkpoint"
+    assert rows["MLflow run"] == "abc123 in sqlite:///runs/mlflow.db"
+    assert rows["open it"] == (
+        "uv run mlflow ui --backend-store-uri sqlite:///runs/mlflow.db  then "
+        "http://127.0.0.1:5000/#/runs/abc123"
+    )
+
+
+def test_block_says_mlflow_off_unconfirmed_and_missing_figures_plainly():
+    off = format_summary({"first_step": 1, "last_step": 1, "first_loss": 2.0, "final_loss": 2.0,
+                          "mlflow": None}, None)  # fmt: skip
+    rows = _rows(off)
+    assert rows["MLflow"] == "off" and rows["checkpoints"] == "off"
+    assert rows["validation loss"] == "n/a" and rows["warm-up"] == "n/a"
+    assert rows["tokens/s"] == "n/a (no step after the first)"
+    unconfirmed = format_summary({**_REPORT, "mlflow": {"run_id": None, "tracking_uri": "x"}}, None)
+    assert "qwentitan-launch sync-mlflow /runs/a" in unconfirmed
+
+
+def test_summary_keeps_the_last_validation_loss():
+    summary = RunSummary()
+    summary.observe(1, {"loss": 3.0, "step_time_s": 2.0})
+    summary.observe(2, {"validation/loss": 2.5})
+    summary.observe(2, {"loss": 2.0, "step_time_s": 1.0})
+    summary.observe(4, {"validation/loss": 1.5})
+    assert summary.metrics()["summary/last_validation_loss"] == 1.5
+    assert summary.last_validation_step == 4
+    assert summary.final_loss == 2.0 and summary.last_step == 2
+
+
+def test_summary_logger_writes_the_report_with_mlflow_off(tmp_path):
+    logger = SummaryLogger(tmp_path, world_size=2, mlflow=None)
+    for step in (1, 2, 3):
+        logger.log({"loss_metrics/global_avg_loss": 10.0 / step, "throughput(tps)": 100.0 * step,
+                    "time_metrics/end_to_end(s)": 1.0, "mfu(%)": float("nan")}, step)  # fmt: skip
+    logger.log({"validation_metrics/loss": 4.0}, 3)
+    logger.close()
+    report = json.loads((tmp_path / "reports" / "summary.json").read_text())
+    assert report["first_step"] == 1 and report["last_step"] == 3
+    assert report["first_loss"] == 10.0 and report["final_loss"] == pytest.approx(10 / 3)
+    assert report["last_validation_loss"] == 4.0 and report["last_validation_step"] == 3
+    assert report["sustained_tokens_per_second"] == 2 * 250.0  # median of 200, 300; two ranks
+    assert report["mlflow"] is None
+
+
+def test_summary_logger_says_in_one_line_when_the_run_folder_refuses_the_report(tmp_path, caplog):
+    (tmp_path / "reports").write_text("a file where the folder should be")
+    logger = SummaryLogger(tmp_path, world_size=1, mlflow=None)
+    logger.log({"loss_metrics/global_avg_loss": 1.0}, 1)
+    with caplog.at_level(logging.WARNING):
+        logger.close()  # no exception: training is done, its figures are on the console
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"The run summary could not be written to {tmp_path / 'reports'}")
+    assert "\n" not in said
+
+
+def test_quiet_console_drops_the_noise_and_nothing_else(caplog):
+    quiet_console()
+    quiet_console()  # a second call adds no second filter
+    assert len(logging.getLogger().filters) == len(set(map(id, logging.getLogger().filters)))
+    with caplog.at_level(logging.INFO):
+        logging.getLogger().warning("Peak flops undefined for: cpu, fallback to A100")
+        logging.getLogger().warning("Error running lspci: [Errno 2], fallback to use device_name")
+        logging.getLogger().info("Saving the checkpoint.")
+    assert [r.getMessage() for r in caplog.records] == ["Saving the checkpoint."]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_console()
+        warnings.warn("DTensor random operators may not have complete support on cpu", stacklevel=1)
+        warnings.warn("something a user should see", stacklevel=1)
+    assert [str(w.message) for w in seen] == ["something a user should see"]
+
+
+@pytest.mark.slow
+def test_train_ends_with_the_summary_and_without_the_noise(
+    train_in_process, tmp_path, monkeypatch, capsys
+):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("QWENTITAN_MLFLOW", "on")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run_dir = tmp_path / "run"
+    argv = ["--ranks", "1", "--steps", "3", "--seq-len", "32", "--local-batch-size", "1",
+            "--validate-every", "2", "--run-dir", str(run_dir)]  # fmt: skip
+    code, log = train_in_process(argv, tmp_path / "train.log")
+    log = _ANSI.sub("", log)
+    assert code == 0, log[-3000:]
+    for noise in _NOISE:
+        assert noise not in log, noise
+    assert "MFU: n/a on cpu" in log
+    losses = {int(step): float(loss) for step, loss in _STEP.findall(log)}
+    validation = {int(step): float(loss) for step, loss in _VALIDATE.findall(log)}
+    # The launcher's own lines go to sys.stdout (pytest's capture here), the ranks' to the log.
+    launcher = capsys.readouterr().out
+    assert launcher.rstrip().splitlines()[-8] == "Summary"  # the block ends the console
+    rows = _rows(launcher[launcher.rindex("Summary\n") :])
+    assert rows["loss"] == f"{losses[1]:.4f} -> {losses[3]:.4f} (step 1 -> 3)"
+    last_validated = max(validation)
+    assert rows["validation loss"] == f"{validation[last_validated]:.4f} (step {last_validated})"
+    assert float(rows["tokens/s"].split()[0]) > 0
+    assert float(rows["warm-up"].split()[0]) > 0
+    assert rows["checkpoints"] == str((run_dir / "checkpoint").resolve())
+    run_id = rows["MLflow run"].split()[0]
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.data.metrics["summary/first_loss"] == pytest.approx(losses[1], abs=1e-4)
+    assert f"--backend-store-uri {uri}" in rows["open it"] and rows["open it"].endswith(run_id)
