@@ -33,6 +33,9 @@ _WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # torch/distributed/tensor/_dispatch.py, on a CPU mesh: qwentitan seeds every rank alike
     # and the CPU rehearsal does not rely on DTensor's random-op offsets.
     ("DTensor random operators may not have complete support", UserWarning),
+    # torchtitan/distributed/utils.py seeds through DTensor's manual_seed on a CPU mesh (2+
+    # ranks): same reason as above.
+    (r"DTensor manual_seed\(\) may not have complete support", UserWarning),
     # torchdata's StatefulDataLoader calls torch.set_vital, deprecated by torch: not ours to fix.
     ("'set_vital' is deprecated", UserWarning),
 )
