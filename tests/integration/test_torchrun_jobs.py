@@ -15,9 +15,9 @@ import psutil
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-pytestmark = pytest.mark.slow
+from qwentitan.launch.resume import saved_steps
 
-STEP_DIR = re.compile(r"step-(\d+)")
+pytestmark = pytest.mark.slow
 
 
 def launch(args: list[str], log: Path) -> subprocess.Popen:
@@ -28,16 +28,6 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=env,
-    )
-
-
-def saved_steps(checkpoints: Path) -> list[int]:
-    if not checkpoints.is_dir():
-        return []
-    return sorted(
-        int(m.group(1))
-        for p in checkpoints.iterdir()
-        if (m := STEP_DIR.fullmatch(p.name)) and (p / ".metadata").exists()
     )
 
 
