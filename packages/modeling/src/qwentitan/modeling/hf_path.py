@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
@@ -233,6 +234,10 @@ def parallelize_hf_qwen3(
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     # the root group holds embeddings, final norm and head (tied ones together)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    # torchtitan's trainer already divides the loss by the global token count; FSDP's own
+    # division by the world size on top would shrink every gradient by it (torchtitan's
+    # parallelize functions turn it off the same way).
+    disable_fsdp_gradient_division(model)
     return model
 
 
