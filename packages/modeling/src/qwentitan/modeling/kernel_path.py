@@ -11,9 +11,10 @@ RoPE and the experts use NKI and attention stays torchtitan's (TorchNeuron alrea
 NKI flash kernels); `QWENTITAN_KERNELS=experts=reference` switches one kernel to its twin.
 
 Semantics that differ from torchtitan's defaults, because the NKI kernels work this way:
-- attention is causal over the whole row (attention_cte has no document mask), and RoPE uses
-  positions 0..seq-1 (rope_hf is gather-free), so per-document `positions` are not used: a
-  packed row is one causal sequence for both;
+- the kernel attention is causal over the whole row (attention_cte has no document mask), as
+  torchtitan's SDPA is; RoPE follows torchtitan's per-document `positions` (restarting at each
+  packed document) by handing rope_hf, which reads its table from row 0 on, a table gathered
+  at each sample's positions (one call per sample when positions are given);
 - expert weights are re-laid out each forward into the kernel's (experts, hidden, 2, inter) and
   (experts, inter, hidden) forms; the experts compute in the input's dtype (torchtitan's
   GroupedExperts always casts to bfloat16; `compute_dtype=torch.bfloat16` reproduces that).
@@ -79,9 +80,21 @@ class KernelRoPE(CosSinRoPE):
         key: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions are not used: rope_hf is gather-free (positions 0..seq-1), matching the
-        # whole-row causal kernel attention; see the module docstring.
-        return torch.ops.qwentitan.rope(query, key, self.cache, self.use_nki)
+        if positions is None:
+            return torch.ops.qwentitan.rope(query, key, self.cache, self.use_nki)
+        # torchtitan's loaders restart positions at every packed document, and its RoPE
+        # gathers the cache at them. rope_hf reads its table from row 0 on (gather-free), so
+        # each sample gets the table gathered at its own positions.
+        if isinstance(positions, DTensor):
+            positions = positions.to_local()
+        rows = positions.expand(query.shape[0], -1) if positions.dim() == 1 else positions
+        pairs = [
+            torch.ops.qwentitan.rope(
+                query[b : b + 1], key[b : b + 1], self.cache[rows[b]], self.use_nki
+            )
+            for b in range(query.shape[0])
+        ]
+        return torch.cat([q for q, _ in pairs]), torch.cat([k for _, k in pairs])
 
 
 class KernelCausalAttention(ScaledDotProductAttention):
