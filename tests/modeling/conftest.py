@@ -1,4 +1,5 @@
-"""Tiny Qwen3 checkpoints written by transformers itself (save_pretrained), shared by the tests."""
+"""Tiny Qwen3 checkpoints written by transformers itself (save_pretrained, through
+`write_initial_checkpoint`), shared by the tests."""
 
 from __future__ import annotations
 
@@ -8,23 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from qwentitan.modeling import flavor_to_hf_config
+from qwentitan.modeling import write_initial_checkpoint
 
 VOCAB = 151936
 
 
 def _write_checkpoint(flavor: str, folder: Path, seed: int) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(flavor_to_hf_config(flavor), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Non-trivial norms (not all ones) and router so a dropped or swapped tensor shows.
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "mlp.gate" in name:
-                p.copy_(0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return folder
+    return write_initial_checkpoint(flavor, folder / "hf", seed=seed)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ Needs the `logits` extra (transformers, torchtitan); imported only when asked fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,17 @@ PROMPT_LENGTH = 16
 RELATIVE_TOLERANCE = 1e-5
 
 
-def float32_grouped_experts():
-    """torchtitan's GroupedExperts computing in float32, for verification only.
+@functools.cache
+def float32_grouped_experts() -> type:
+    """torchtitan's GroupedExperts computing in float32 (this check, and CPU training through
+    qwentitan.modeling's `float32_experts`).
 
     torchtitan 0.3.0's `GroupedExperts.forward` (torchtitan/models/common/moe.py) casts the
     routed tokens and the expert weights to bfloat16 for `torch._grouped_mm`, the training
     kernel; against transformers' float32 experts that alone differs by ~1e-3 relative. This
     subclass runs each expert's SwiGLU as plain float32 matmuls over its slice of the routed
-    tokens (the slices `_grouped_mm` would take), so the comparison can be tight.
+    tokens (the slices `_grouped_mm` would take), so the comparison can be tight. The loop
+    is differentiable: under FSDP the forward sees the unsharded weights as plain tensors.
     """
     import torch.nn.functional as F
     from torchtitan.models.common.moe import GroupedExperts
@@ -40,13 +44,14 @@ def float32_grouped_experts():
         def forward(
             self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor
         ) -> torch.Tensor:
+            dtype = x_RD.dtype
             x_RD = x_RD.float()
             counts = num_tokens_per_expert_E.tolist()
             out = []
             for e, x in enumerate(x_RD.split(counts)):
                 h = F.silu(x @ self.w1_EFD[e].float().T) * (x @ self.w3_EFD[e].float().T)
                 out.append(h @ self.w2_EDF[e].float().T)
-            return torch.cat(out)
+            return torch.cat(out).to(dtype)
 
     return Float32GroupedExperts
 

@@ -7,6 +7,7 @@ from qwentitan.modeling.counts import ParamCounts, flops_per_token, param_counts
 from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import FLAVORS, Flavor, get_flavor
 from qwentitan.modeling.hf_config import flavor_from_hf_config, flavor_to_hf_config
+from qwentitan.modeling.initial_checkpoint import write_initial_checkpoint
 from qwentitan.modeling.native import native_model_config
 from qwentitan.modeling.spec import PATHS, model_spec
 
@@ -26,4 +27,5 @@ __all__ = [
     "model_spec",
     "native_model_config",
     "param_counts",
+    "write_initial_checkpoint",
 ]

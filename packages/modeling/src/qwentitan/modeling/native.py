@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from functools import cache
+
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import get_attention_config
@@ -25,6 +28,15 @@ from qwentitan.modeling.flavors import Flavor, get_flavor
 ATTN_BACKENDS = ("sdpa", "flex", "varlen")
 
 
+@cache
+def _float32_experts() -> type:
+    # The one float32 GroupedExperts: the checkpoint package's logit check needs it too, and
+    # it cannot import this package (the arrow points the other way).
+    from qwentitan.checkpoint.logits import float32_grouped_experts
+
+    return float32_grouped_experts()
+
+
 def _inner_attention(attn_backend: str):
     # torchtitan's get_attention_config refuses "sdpa" for language models because SDPA cannot
     # mask packed documents. We still need it: FlexAttention has no CPU backward. SDPA runs
@@ -39,8 +51,15 @@ def _inner_attention(attn_backend: str):
     )
 
 
-def native_model_config(flavor: str | Flavor, attn_backend: str = "sdpa") -> Qwen3Model.Config:
-    """torchtitan's ``Qwen3Model.Config`` with the dimensions of ``flavor``."""
+def native_model_config(
+    flavor: str | Flavor, attn_backend: str = "sdpa", *, float32_experts: bool = False
+) -> Qwen3Model.Config:
+    """torchtitan's ``Qwen3Model.Config`` with the dimensions of ``flavor``.
+
+    ``float32_experts``: the MoE experts compute in float32 instead of torchtitan 0.3.0's
+    bfloat16 grouped matmuls (``GroupedExperts.forward`` casts every operand down). Nothing is
+    gained from bfloat16 on a CPU, and in float32 two implementations can be compared tightly.
+    """
     f = get_flavor(flavor)
     inner_attention = _inner_attention(attn_backend)
     rope = CosSinRoPE.Config(
@@ -77,6 +96,11 @@ def native_model_config(flavor: str | Flavor, attn_backend: str = "sdpa") -> Qwe
             # adds a learned expert_bias to the routing scores, which Hugging Face checkpoints
             # cannot carry: an exported model would route differently from the trained one.
             layer.moe.load_balance_coeff = None
+            if float32_experts:
+                inner = layer.moe.routed_experts.inner_experts
+                layer.moe.routed_experts.inner_experts = _float32_experts().Config(
+                    **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner) if f.init}
+                )
 
     norm = _qwen3_norm(f.hidden_size)
     norm.eps = f.rms_norm_eps

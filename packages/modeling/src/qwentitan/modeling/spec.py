@@ -28,11 +28,11 @@ def _check_folder_matches(f: Flavor, hf_folder: str | Path) -> None:
         )
 
 
-def _native_spec(f: Flavor, attn_backend: str) -> ModelSpec:
+def _native_spec(f: Flavor, attn_backend: str, float32_experts: bool = False) -> ModelSpec:
     return ModelSpec(
         name="qwen3",
         flavor=f.name,
-        model=native_model_config(f, attn_backend),
+        model=native_model_config(f, attn_backend, float32_experts=float32_experts),
         parallelize_fn=parallelize_qwen3,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=register_moe_load_balancing_hook,
@@ -40,7 +40,7 @@ def _native_spec(f: Flavor, attn_backend: str) -> ModelSpec:
     )
 
 
-def _moe_kernels_spec(f: Flavor, attn_backend: str) -> ModelSpec:
+def _moe_kernels_spec(f: Flavor, attn_backend: str, float32_experts: bool) -> ModelSpec:
     if not f.is_moe:
         raise ModelingError(
             f"The moe-kernels path needs an MoE flavor and {f.name!r} is dense; pick e.g. "
@@ -58,7 +58,7 @@ def _moe_kernels_spec(f: Flavor, attn_backend: str) -> ModelSpec:
     # Imported only here: it imports qwentitan.kernels, an optional dependency.
     from qwentitan.modeling.kernel_path import apply_kernel_replacements
 
-    spec = _native_spec(f, attn_backend)
+    spec = _native_spec(f, attn_backend, float32_experts)
     spec.model = apply_kernel_replacements(spec.model)
     return spec
 
@@ -69,6 +69,7 @@ def model_spec(
     *,
     hf_folder: str | Path | None = None,
     attn_backend: str = "sdpa",
+    float32_experts: bool = False,
 ) -> ModelSpec:
     """The torchtitan ModelSpec that trains ``flavor`` through implementation ``path``.
 
@@ -76,6 +77,8 @@ def model_spec(
     torchtitan; loads the safetensors in ``hf_folder`` when given) or ``"moe-kernels"``
     (native MoE with qwentitan.kernels' replacements). ``attn_backend``: ``"sdpa"`` (plain
     causal attention, the only one with a CPU backward), ``"flex"`` or ``"varlen"``.
+    ``float32_experts``: torchtitan's MoE experts compute in float32, not bfloat16 (for CPUs;
+    the kernel experts and the hf path's already compute in the parameters' dtype).
 
     For ``native`` / ``moe-kernels``, ``hf_folder`` is only checked against the flavor: the
     weights load through torchtitan's checkpointer (``initial_load_in_hf``) with the spec's
@@ -87,9 +90,9 @@ def model_spec(
     if hf_folder is not None:
         _check_folder_matches(f, hf_folder)
     if path == "native":
-        return _native_spec(f, attn_backend)
+        return _native_spec(f, attn_backend, float32_experts)
     if path == "moe-kernels":
-        return _moe_kernels_spec(f, attn_backend)
+        return _moe_kernels_spec(f, attn_backend, float32_experts)
     from qwentitan.modeling.hf_path import hf_model_spec  # transformers' model classes: on demand
 
     return hf_model_spec(f, hf_folder=hf_folder, attn_backend=attn_backend)
