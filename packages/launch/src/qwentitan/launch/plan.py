@@ -242,17 +242,24 @@ def load_config(recipe: str, overrides: list[str]) -> Any:
 
 
 def _tyro_message(text: str) -> str:
-    """The sentence inside tyro's error box, without the box."""
-    words: list[str] = []
-    for line in text.splitlines():
-        inner = line.strip().strip("│").strip()
-        if "───" in inner or inner.startswith("For full helptext"):
-            if words:
-                break
-            continue
-        if line.strip().startswith("│") and inner:
-            words.append(inner)
-    return " ".join(words).removeprefix("Error parsing Config: ")
+    """The sentence of tyro's error, boxed (a terminal) or plain (a pipe), with its first
+    "Perhaps you meant" suggestion; "" when there is none."""
+    lines = [line.strip().strip("│╭╮╰╯").strip() for line in text.splitlines()]
+    blocks: list[list[str]] = [[]]
+    for inner in [line for line in lines if line][1:]:  # the first line is the title
+        if len(inner) > 3 and set(inner) <= set("─- "):
+            blocks.append([])  # a rule between sections
+        else:
+            blocks[-1].append(inner)
+    sections = [" ".join(block) for block in blocks if block]
+    if not sections:
+        return ""
+    message = sections[0].removeprefix("Error parsing Config: ")
+    for section in sections[1:]:
+        if section.startswith("Perhaps you meant:"):
+            message += f"; perhaps you meant {section.split()[3]}"
+            break
+    return message
 
 
 def meta_model(config: Any) -> torch.nn.Module:
