@@ -17,6 +17,11 @@ from typing import Any
 
 RUN_KEY_TAG = "qwentitan.run_key"
 PARENT_TAG = "mlflow.parentRunId"
+# The MLflow UI (3.x) opens an experiment without this tag on its GenAI traces overview, empty
+# for training runs; with it, on the runs table and its charts. An experiment that already
+# says what it is keeps its kind.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
 
 # MLflow's log_batch limits (mlflow.utils.validation.MAX_METRICS_PER_BATCH and friends).
 _METRICS_PER_BATCH = 1000
@@ -84,9 +89,13 @@ class MlflowTarget:
     def _experiment_id(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
+            if EXPERIMENT_KIND_TAG not in experiment.tags:
+                self.client.set_experiment_tag(
+                    experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING
+                )
             return experiment.experiment_id
         try:
-            return self.client.create_experiment(name)
+            return self.client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
         except Exception:
             # Another process created it between our lookup and create_experiment.
             experiment = self.client.get_experiment_by_name(name)
