@@ -32,6 +32,23 @@ def test_rope_equals_torchtitan_qwen3_rope_exactly_in_float32():
     assert torch.equal(oq.grad, tq.grad) and torch.equal(ok.grad, tk.grad)
 
 
+def test_rope_follows_per_document_positions_like_torchtitan():
+    """torchtitan's loaders restart positions at each packed document; both RoPEs gather there."""
+    torch.manual_seed(2)
+    q, k = torch.randn(2, 32, 4, 16), torch.randn(2, 32, 2, 16)
+    positions = torch.stack([torch.cat([torch.arange(9), torch.arange(23)]), torch.arange(32)])
+    theirs, ours = _rope_pair()
+    tq, tk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    oq, ok = q.clone().requires_grad_(), k.clone().requires_grad_()
+    want, got = theirs(tq, tk, positions), ours(oq, ok, positions)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(got[0], ours(q, k)[0])  # the restart at token 9 changed the rotation
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    torch.autograd.backward(want, (gq, gk))
+    torch.autograd.backward(got, (gq, gk))
+    assert torch.equal(oq.grad, tq.grad) and torch.equal(ok.grad, tk.grad)
+
+
 def test_rope_yarn_cache_is_honoured_too():
     config = CosSinRoPE.Config(dim=16, max_seq_len=64, scaling="yarn", rope_factor=4.0)
     theirs, ours = config.build(), _replace_rope(config).build()

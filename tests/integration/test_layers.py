@@ -26,7 +26,7 @@ LAUNCH_LAYERS: dict[str, str] = {
     # One Target per machine kind: read by the launcher's plan, the ranks' platform and
     # tracking's price lookup alike, so it sits below all three; imports only errors.
     "target": "base",
-    # tracking/pilot.py drives `qwentitan-launch train` for each path: a launcher that sits in
+    # tracking/pilot/ drives `qwentitan-launch train` for each path: a launcher that sits in
     # tracking/ because it only talks to MLflow besides.
     "tracking.pilot": "launcher",
     "tracking": "tracking",

@@ -1,5 +1,6 @@
 """MLflow tracking end to end: real training ranks, a real `mlflow ui` server on loopback, and
-the pilot's experiment and child-run pages opened in headless Chromium.
+the pilot's runs and compare pages opened in headless Chromium (screenshots kept in
+outputs/test-artifacts/).
 
 The browser part needs Debian's `chromium` (.ci/run installs it); without it only that part is
 skipped, after every training and tracking assertion has run.
@@ -22,13 +23,12 @@ import pytest
 from mlflow import MlflowClient
 
 from qwentitan.launch.cli import main as launch_main
-from qwentitan.launch.recipes import pilot_recipes
-from qwentitan.launch.tracking.pilot import run_pilot
+from qwentitan.launch.tracking.pilot import run_pilot, runs_url
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, read_spool
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-SCREENSHOT = REPO / "outputs" / "test-artifacts" / "mlflow_ui_pilot.png"
+ARTIFACTS = REPO / "outputs" / "test-artifacts"
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -112,23 +112,44 @@ def test_two_cpu_ranks_against_an_unreachable_server_then_sync(
     assert resolved["training"]["steps"] == steps
 
 
-def test_pilot_children_appear_in_the_mlflow_ui(tmp_path, mlflow_ui):
-    pilot = run_pilot(steps=2, ranks=1, run_dir=tmp_path / "pilot", tracking_uri=mlflow_ui)
-    # Every path trains and logs before anything here may skip for want of a browser.
+# Small enough for CI (the pilot's own default is 20 steps of 4 x 128 tokens per rank). Two
+# ranks: a gradient scaled by the world size on one path (the hf path's old FSDP division)
+# shows only with more than one.
+PILOT = {"steps": 8, "ranks": 2, "seq_len": 64, "local_batch_size": 2}
+CHILDREN = {"hf", "native", "native-moe", "moe-kernels"}
+
+
+def test_the_pilots_pairs_agree_and_the_ui_opens_on_their_comparison(tmp_path, mlflow_ui):
+    pilot = run_pilot(**PILOT, run_dir=tmp_path / "pilot", tracking_uri=mlflow_ui)
+    # Every path trains, logs and agrees before anything here may skip for want of a browser.
     assert pilot.failed == [], pilot.failed
-    # each child was named and nested by the overrides the pilot passed to `train`
-    assert set(pilot.children) == set(pilot_recipes())
+    assert set(pilot.children) == CHILDREN
+    for result in pilot.pairs:
+        assert result.passed, result.verdict()
+        assert set(result.diffs) == set(range(1, PILOT["steps"] + 1))
+        assert result.max_diff <= result.pair.limit
+    assert pilot.passed
     client = MlflowClient(mlflow_ui)
     names = [set(client.get_run(run_id).data.metrics) for run_id in pilot.children.values()]
     assert all(n == names[0] for n in names), "the paths must log identical metric names"
     parent = client.get_run(pilot.parent_run_id)
-    assert parent.info.status == "FINISHED"
+    assert parent.info.status == "FINISHED" and parent.data.tags["pilot.result"] == "passed"
+    for pair in ("dense", "moe"):
+        history = client.get_metric_history(parent.info.run_id, f"pair/{pair}/abs_loss_diff")
+        assert sorted(m.step for m in history) == list(range(1, PILOT["steps"] + 1))
+        assert parent.data.metrics[f"pair/{pair}/max_abs_loss_diff"] == max(
+            m.value for m in history
+        )
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == [
+        "plots/pilot_losses.png"
+    ]
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("Debian's chromium is not installed (.ci/run installs it): UI not opened")
     flags = [chromium, *CHROMIUM_FLAGS]
-    experiment = f"{mlflow_ui}/#/experiments/{parent.info.experiment_id}/runs"
 
     def rendered_text(url: str, profile: str) -> set[str]:
         dom = subprocess.run(
@@ -138,15 +159,36 @@ def test_pilot_children_appear_in_the_mlflow_ui(tmp_path, mlflow_ui):
         html = re.sub(r"<script.*?</script>|<style.*?</style>", "", dom.stdout, flags=re.S)
         return {cell.strip() for cell in re.findall(r">([^<>]+)<", html)}
 
-    # The experiment page lists the parent; MLflow nests its children under it, collapsed.
-    assert parent.info.run_name in rendered_text(experiment, "p0"), f"parent not on {experiment}"
-    for path, run_id in pilot.children.items():
-        # Each child's own page names it and links its parent.
-        seen = rendered_text(f"{experiment}/{run_id}", f"p-{path}")
-        assert {path, parent.info.run_name} <= seen, f"child run {path} not shown by the UI"
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    shot = subprocess.run(
-        [*flags, f"--user-data-dir={tmp_path / 'shot'}", f"--screenshot={SCREENSHOT}", experiment],
-        capture_output=True, timeout=180,
+    def screenshot(url: str, name: str) -> None:
+        file = ARTIFACTS / name
+        shot = subprocess.run(
+            [*flags, f"--user-data-dir={tmp_path / name}", f"--screenshot={file}", url],
+            capture_output=True, timeout=180,
+        )  # fmt: skip
+        assert shot.returncode == 0 and file.read_bytes()[:4] == b"\x89PNG"
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    runs = runs_url(mlflow_ui, parent.info.experiment_id)
+    seen = rendered_text(runs, "runs")
+    # The runs table (its parent row, the pair charts' sections), not the traces overview.
+    assert {parent.info.run_name, "pair/dense", "pair/moe"} <= seen, f"no runs view at {runs}"
+    assert not {"Traces", "Latency"} <= seen
+    seen = rendered_text(pilot.compare_url, "compare")
+    assert seen >= CHILDREN, f"the children are not side by side at {pilot.compare_url}"
+    screenshot(runs, "mlflow_ui_pilot_runs.png")
+    screenshot(pilot.compare_url, "mlflow_ui_pilot_compare.png")
+
+
+def test_a_perturbed_weight_fails_the_pilot_at_its_first_step(tmp_path):
+    """The check can fail: native starts from its pair's checkpoint with one weight scaled."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    pilot = run_pilot(
+        steps=1, ranks=1, seq_len=32, local_batch_size=1, run_dir=tmp_path / "pilot",
+        tracking_uri=uri, pairs=["dense"], perturb="native",
     )  # fmt: skip
-    assert shot.returncode == 0 and SCREENSHOT.read_bytes()[:4] == b"\x89PNG"
+    assert pilot.failed == []
+    (dense,) = pilot.pairs
+    assert dense.first_over == 1 and not pilot.passed
+    assert "FAILED, |loss difference|" in dense.verdict()
+    parent = MlflowClient(uri).get_run(pilot.parent_run_id)
+    assert parent.info.status == "FAILED" and parent.data.tags["pilot.perturbed"] == "native"

@@ -8,6 +8,7 @@ import pytest
 from qwentitan.launch import cli, plan, recipes
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import load_config
+from qwentitan.launch.tracking.pilot import PAIRS
 
 SETTINGS_ENV = {
     "QWENTITAN_MLFLOW": "on",
@@ -97,11 +98,10 @@ def test_one_registry_names_every_recipe_and_its_path():
     names = recipes.recipe_names()
     assert plan.recipe_names() == names
     assert set(recipes.TRN2_RECIPES) == {"qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"}
-    assert recipes.pilot_recipes() == {
-        "hf": "tiny_hf",
-        "native": "tiny_dense",
-        "moe-kernels": "tiny_moe_kernels",
-    }
+    # the pilot's pairs name registered recipes, each on the path its child run is named for
+    for pair in PAIRS.values():
+        for child, recipe in zip(pair.children, pair.recipes, strict=True):
+            assert recipes.recipe_info(recipe).path == child.removesuffix("-moe"), recipe
     for name in names:
         config = recipes.get_recipe(name)()
         # the recipe tags its runs with the registry's path, and plans for its instance

@@ -17,8 +17,8 @@ from qwentitan.modeling import ModelingError, get_flavor, model_spec
 from .conftest import hf_logits
 
 
-def _native_model(flavor: str, folder: Path) -> torch.nn.Module:
-    spec = model_spec(flavor, "native", hf_folder=folder)
+def _native_model(flavor: str, folder: Path, **kwargs) -> torch.nn.Module:
+    spec = model_spec(flavor, "native", hf_folder=folder, **kwargs)
     model = spec.model.build()
     model.init_states()
     hub = {}
@@ -37,35 +37,29 @@ def test_dense_logits_equal_transformers(tiny_dense_folder, tokens):
     assert diff == 0.0  # same float32 ops in the same order: bit-identical, as the README says
 
 
-def _float32_grouped_experts(self, x_RD, num_tokens_per_expert_E):
-    """torchtitan's GroupedExperts.forward with its bf16 casts removed (test reference)."""
-    offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
-    h = torch.nn.functional.silu(torch._grouped_mm(x_RD, self.w1_EFD.transpose(-2, -1), offs=offs))
-    h = h * torch._grouped_mm(x_RD, self.w3_EFD.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(h, self.w2_EDF.transpose(-2, -1), offs=offs)
-
-
-def test_moe_logits_match_transformers_to_bf16_expert_precision(
-    tiny_moe_folder, tokens, monkeypatch
-):
+def test_moe_logits_match_transformers_to_bf16_expert_precision(tiny_moe_folder, tokens):
     """torchtitan's GroupedExperts always runs its grouped matmuls in bfloat16 (inputs and
     weights cast down, 8-bit mantissa: relative rounding 2**-9 ~ 0.2% per operand), so
-    float32 logits cannot agree to 1e-5. The test pins both halves of that claim: with the
-    grouped matmuls evaluated in float32 the paths agree to 1e-5 (routing, weights, layout all
-    exact), and with torchtitan's bf16 they differ by at most 1% of the logit scale."""
-    model = _native_model("tiny-moe", tiny_moe_folder)
+    float32 logits cannot agree to 1e-5. The test pins both halves of that claim: with
+    `float32_experts` the paths agree exactly (routing, weights, layout all exact), and with
+    torchtitan's bf16 they differ by at most 1% of the logit scale."""
     reference = hf_logits(tiny_moe_folder, tokens)
     scale = reference.abs().max().item()
+    float32 = _native_model("tiny-moe", tiny_moe_folder, float32_experts=True)
+    assert all(
+        type(layer.moe.routed_experts.inner_experts) is not GroupedExperts
+        for layer in float32.layers.values()
+    )
     with torch.no_grad():
-        bf16_diff = (model(tokens) - reference).abs().max().item()
-        monkeypatch.setattr(GroupedExperts, "forward", _float32_grouped_experts)
-        fp32_diff = (model(tokens) - reference).abs().max().item()
+        bf16 = _native_model("tiny-moe", tiny_moe_folder)(tokens)
+        bf16_diff = (bf16 - reference).abs().max().item()
+        fp32_diff = (float32(tokens) - reference).abs().max().item()
     print(
         f"native tiny-moe max|diff| vs Qwen3MoeForCausalLM: {bf16_diff:.3e} (bf16 grouped mm, "
-        f"logit scale {scale:.2f}); {fp32_diff:.3e} with float32 grouped mm"
+        f"logit scale {scale:.2f}); {fp32_diff:.3e} with float32_experts"
     )
-    assert fp32_diff <= 1e-5
-    assert bf16_diff <= 1e-2 * scale
+    assert fp32_diff == 0.0  # per-expert float32 matmuls, as transformers: bit-identical
+    assert 1e-5 < bf16_diff <= 1e-2 * scale
 
 
 def test_native_spec_is_torchtitans_qwen3_with_the_flavor_dimensions():

@@ -6,7 +6,7 @@ torchtitan: `python -m torchtitan.train --module qwentitan.launch.recipes --conf
 
 This is the one recipe registry: `train`, `plan` (and the commands built on it), the pilot and
 the recipes themselves read each recipe's entry (module, implementation path, the instance it is
-sized for, whether the pilot trains it) here. It names each recipe's module instead of importing
+sized for) here. It names each recipe's module instead of importing
 it, so that listing the names (the CLI's `--help`, plan validation) never imports torch or
 torchtitan; the functions load on first access, which is also how torchtitan's `--config NAME`
 finds them (`getattr`).
@@ -41,17 +41,15 @@ class Recipe:
     """Implementation path: hf, native or moe-kernels (tagged on its MLflow runs)."""
     instance: str | None = None
     """The instance type it is sized for; None: whatever host runs it."""
-    pilot: bool = False
-    """The tiny run of its path in the pilot (one per path)."""
 
 
 _RECIPES = {
     recipe.name: recipe
     for recipe in (
-        Recipe("tiny_dense", _TINY, "native", pilot=True),
-        Recipe("tiny_hf", _TINY, "hf", pilot=True),
+        Recipe("tiny_dense", _TINY, "native"),
+        Recipe("tiny_hf", _TINY, "hf"),
         Recipe("tiny_moe", _TINY, "native"),
-        Recipe("tiny_moe_kernels", _TINY, "moe-kernels", pilot=True),
+        Recipe("tiny_moe_kernels", _TINY, "moe-kernels"),
         Recipe("qwen3_4b_hf", _TRN2, "hf", TRN2_INSTANCE),
         Recipe("qwen3_4b_native", _TRN2, "native", TRN2_INSTANCE),
         Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", TRN2_INSTANCE),
@@ -65,7 +63,6 @@ __all__ = [
     "TRN2_RECIPES",
     "Recipe",
     "get_recipe",
-    "pilot_recipes",
     "recipe_info",
     "recipe_names",
     *sorted(_OTHER_EXPORTS),
@@ -87,11 +84,6 @@ def recipe_info(name: str) -> Recipe:
 def get_recipe(name: str) -> Callable[[], Trainer.Config]:
     """The recipe function called `name` (its module imported now)."""
     return getattr(import_module(recipe_info(name).module), name)
-
-
-def pilot_recipes() -> dict[str, str]:
-    """Implementation path -> the tiny recipe the pilot trains for it."""
-    return {r.path: r.name for r in _RECIPES.values() if r.pilot}
 
 
 def __getattr__(name: str) -> Any:

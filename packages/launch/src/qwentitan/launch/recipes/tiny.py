@@ -40,7 +40,14 @@ def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
     path = recipe_info(name).path
     # The platform names the attention that trains there (SDPA on CPU: FlexAttention has no
     # CPU backward); qwentitan.modeling builds the model with it.
-    spec = model_spec(get_flavor(flavor), path, attn_backend=platform.attention)
+    # torchtitan computes MoE experts in bfloat16, which a CPU only emulates; in float32 they
+    # also match the kernel experts closely enough for the pilot to compare the two paths.
+    spec = model_spec(
+        get_flavor(flavor),
+        path,
+        attn_backend=platform.attention,
+        float32_experts=platform.device_type == "cpu",
+    )
     vocab = get_flavor(flavor).vocab_size
     steps = 40
     return Trainer.Config(

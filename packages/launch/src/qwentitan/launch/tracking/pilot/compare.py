@@ -1,0 +1,92 @@
+"""The pilot's pairs: two implementation paths started from one checkpoint, compared step by step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """Two children that train one flavor from the same weights, data and steps."""
+
+    name: str
+    flavor: str
+    children: tuple[str, str]
+    """The child runs' names (their implementation paths), left and right."""
+    recipes: tuple[str, str]
+    limit: float
+    """The largest |loss difference| allowed at any step."""
+
+
+PAIRS: dict[str, Pair] = {
+    pair.name: pair
+    for pair in (
+        # Both float32 end to end: what differs is the order of float32 operations inside two
+        # implementations of the same model, which training may amplify only a little.
+        Pair("dense", "tiny-dense", ("hf", "native"), ("tiny_hf", "tiny_dense"), 1e-4),
+        # The router's top-k can flip on a near-tie, so the MoE pair gets ten times the room.
+        Pair(
+            "moe", "tiny-moe", ("native-moe", "moe-kernels"), ("tiny_moe", "tiny_moe_kernels"), 1e-3
+        ),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PairResult:
+    pair: Pair
+    diffs: dict[int, float]
+    """Step -> |loss difference|, for the steps both children logged."""
+    missing: dict[str, list[int]]
+    """Child -> the steps 1..steps it did not log (a child that did not train misses all)."""
+
+    @property
+    def max_diff(self) -> float | None:
+        return max(self.diffs.values()) if self.diffs else None
+
+    @property
+    def first_over(self) -> int | None:
+        """The first step whose difference exceeds the limit (None: none does)."""
+        return next((s for s, d in sorted(self.diffs.items()) if not d <= self.pair.limit), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_over is None and not any(self.missing.values())
+
+    def verdict(self) -> str:
+        """One line: the pair, its worst difference and whether it is within the limit."""
+        left, right = self.pair.children
+        head = f"{self.pair.name} pair ({left} vs {right})"
+        if missing := {child: steps for child, steps in self.missing.items() if steps}:
+            said = "; ".join(
+                f"{c} logged no loss for step(s) {_steps(s)}" for c, s in missing.items()
+            )
+            return f"{head}: FAILED, {said}"
+        worst = max(self.diffs, key=self.diffs.__getitem__)
+        summary = f"max |loss difference| {self.diffs[worst]:.2e} at step {worst}"
+        if (step := self.first_over) is not None:
+            return (
+                f"{head}: FAILED, |loss difference| {self.diffs[step]:.2e} at step {step} exceeds "
+                f"the limit {self.pair.limit:.0e} ({summary})"
+            )
+        return (
+            f"{head}: passed, {summary} over {len(self.diffs)} steps (limit {self.pair.limit:.0e})"
+        )
+
+
+def compare(pair: Pair, losses: dict[str, dict[int, float]], steps: int) -> PairResult:
+    """Compare the pair's two loss curves (child -> step -> loss) over steps 1..steps."""
+    left, right = (losses.get(child, {}) for child in pair.children)
+    wanted = range(1, steps + 1)
+    return PairResult(
+        pair,
+        diffs={s: abs(left[s] - right[s]) for s in wanted if s in left and s in right},
+        missing={
+            child: [s for s in wanted if s not in curve]
+            for child, curve in zip(pair.children, (left, right), strict=True)
+        },
+    )
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")

@@ -1,0 +1,121 @@
+"""The pilot's parts that need no training: pair verdicts, the compare URL, the picture, its
+refusals, and the experiment kind every qwentitan experiment gets. The pilot itself trains in
+tests/integration/test_mlflow_ui.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.parse
+
+import pytest
+from mlflow import MlflowClient
+
+from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.plan import load_config
+from qwentitan.launch.tracking.pilot import PAIRS, compare, compare_url, run_pilot, runs_url
+from qwentitan.launch.tracking.pilot.plot import plot_losses
+from qwentitan.launch.tracking.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MlflowTarget
+
+DENSE = PAIRS["dense"]
+
+
+def _curves(right_offsets: dict[int, float], steps: int = 5) -> dict[str, dict[int, float]]:
+    left = {s: 10.0 - s for s in range(1, steps + 1)}
+    return {"hf": left, "native": {s: v + right_offsets.get(s, 0.0) for s, v in left.items()}}
+
+
+def test_a_pair_within_its_limit_passes_and_says_its_worst_step():
+    result = compare(DENSE, _curves({2: 4e-5, 4: 9e-5}), steps=5)
+    assert result.passed and result.first_over is None
+    assert result.max_diff == pytest.approx(9e-5)
+    assert result.verdict() == (
+        "dense pair (hf vs native): passed, max |loss difference| 9.00e-05 at step 4 over 5 "
+        "steps (limit 1e-04)"
+    )
+
+
+def test_a_pair_fails_at_the_first_step_over_its_limit():
+    result = compare(DENSE, _curves({2: 2e-4, 3: 5e-3}), steps=5)
+    assert not result.passed and result.first_over == 2
+    assert result.verdict().startswith(
+        "dense pair (hf vs native): FAILED, |loss difference| 2.00e-04 at step 2 exceeds the "
+        "limit 1e-04 (max |loss difference| 5.00e-03 at step 3)"
+    )
+    nan = compare(DENSE, _curves({4: math.nan}), steps=5)  # a NaN is never within a limit
+    assert nan.first_over == 4 and not nan.passed
+
+
+def test_a_step_one_child_did_not_log_fails_the_pair():
+    curves = _curves({})
+    del curves["native"][3]
+    result = compare(DENSE, curves, steps=5)
+    assert not result.passed and result.missing == {"hf": [], "native": [3]}
+    assert "native logged no loss for step(s) 3" in result.verdict()
+    nothing = compare(DENSE, {"hf": curves["hf"]}, steps=5)  # native never trained
+    assert nothing.missing["native"] == [1, 2, 3, 4, 5] and not nothing.passed
+
+
+def test_the_compare_url_is_the_uis_compare_runs_route():
+    url = compare_url("sqlite:///mlflow.db", "7", ["a1", "b2"])
+    assert url.startswith("http://127.0.0.1:5000/#/compare-runs?")
+    query = urllib.parse.parse_qs(url.split("?", 1)[1])
+    assert json.loads(query["runs"][0]) == ["a1", "b2"]
+    assert json.loads(query["experiments"][0]) == ["7"]
+    assert query["workflowType"] == ["machine_learning"]  # else 3.17 opens its GenAI pages
+    served = compare_url("http://mlflow.example:8080/", "7", ["a1"])
+    assert served.startswith("http://mlflow.example:8080/#/compare-runs?")
+    assert runs_url("sqlite:///mlflow.db", "7") == (
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+        "&compareRunsMode=CHART"
+    )
+
+
+def test_the_picture_is_a_png_written_whole(tmp_path):
+    curves = _curves({3: 2e-6})
+    results = [compare(DENSE, curves, steps=5)]  # step 1 differs by exactly 0
+    file = plot_losses(curves, results, tmp_path / "losses.png")
+    assert file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["losses.png"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pairs": ["dense", "sparse"]}, "Unknown pair in \\['dense', 'sparse'\\]; choose among"),
+        ({"perturb": "moe-kernels", "pairs": ["dense"]}, "--perturb 'moe-kernels' is none of"),
+    ],
+)
+def test_the_pilot_refuses_bad_choices_before_anything_trains(tmp_path, kwargs, message):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(LaunchError, match=message):
+        run_pilot(steps=1, ranks=1, run_dir=tmp_path / "pilot", tracking_uri=uri, **kwargs)
+    assert not (tmp_path / "pilot").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_experiments_are_marked_model_training_unless_they_say_otherwise(tmp_path):
+    target = MlflowTarget(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client: MlflowClient = target.client
+    fresh = client.get_experiment(target._experiment_id("fresh"))
+    assert fresh.tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING == "custom_model_development"
+    untagged = client.create_experiment("made-by-hand")
+    target._experiment_id("made-by-hand")
+    assert client.get_experiment(untagged).tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING
+    genai = client.create_experiment("agents", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    target._experiment_id("agents")
+    assert client.get_experiment(genai).tags[EXPERIMENT_KIND_TAG] == "genai_development"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["--optimizer.lr", "1e-3"], "Unrecognized options: --optimizer.lr, 1e-3; perhaps you "
+         "meant --optimizer.param-groups.0.optimizer-kwargs.lr"),
+        (["--checkpoint.initial_load_in_hf"], "Error parsing checkpoint: initial_load_in_hf "
+         "requires initial_load_model_only."),
+    ],
+)  # fmt: skip
+def test_torchtitans_refusal_is_said_in_its_own_words(overrides, said):
+    with pytest.raises(LaunchError) as refused:
+        load_config("tiny_dense", overrides)
+    assert str(refused.value).endswith(said)
