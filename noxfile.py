@@ -106,10 +106,11 @@ def train(session: nox.Session) -> None:
 
 @nox.session
 def pilot(session: nox.Session) -> None:
-    """The hf, native and moe-kernels paths at tiny scale, as child runs of one MLflow parent run.
+    """hf vs native and native-moe vs moe-kernels, each pair from one seeded checkpoint, as child
+    runs of one MLflow parent; fails when a pair's loss curves differ beyond their limit.
 
-    Logs to ./mlflow.db (or $MLFLOW_TRACKING_URI); `-- --steps 20 --ranks 2` sets the size.
-    Then `uv run nox -s mlflow_ui` to compare them.
+    Logs to ./mlflow.db (or $MLFLOW_TRACKING_URI); `-- --steps 20 --ranks 2` sets the size,
+    `-- --help` lists the rest. Then `uv run nox -s mlflow_ui` and open the URLs it printed.
     """
     _sync(session, "--all-packages")
     session.run("python", "-m", "qwentitan.launch.tracking.pilot", *session.posargs)
