@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 import urllib.parse
+from unittest import mock
 
 import pytest
 from mlflow import MlflowClient
@@ -15,6 +22,7 @@ from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import load_config
 from qwentitan.launch.tracking.pilot import PAIRS, compare, compare_url, run_pilot, runs_url
 from qwentitan.launch.tracking.pilot.plot import plot_losses
+from qwentitan.launch.tracking.pilot.run import _train
 from qwentitan.launch.tracking.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MlflowTarget
 
 DENSE = PAIRS["dense"]
@@ -119,3 +127,39 @@ def test_torchtitans_refusal_is_said_in_its_own_words(overrides, said):
     with pytest.raises(LaunchError) as refused:
         load_config("tiny_dense", overrides)
     assert str(refused.value).endswith(said)
+
+
+def test_ctrl_c_waits_for_the_child_train_to_save_and_stop(tmp_path):
+    """The terminal's Ctrl-C reaches the pilot and its `train` alike; the pilot must let the
+    child finish saving (subprocess.run would kill it 0.25 s after)."""
+    saved = tmp_path / "saved"
+    child = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    time.sleep(1.0)  # a checkpoint being written\n"
+        f"    open({str(saved)!r}, 'w').write('step 7')\n"
+        "    sys.exit(130)\n"
+        "signal.signal(signal.SIGINT, stop)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    started = threading.Event()
+    real_popen = subprocess.Popen
+
+    def popen(command, **kwargs):
+        process = real_popen(command, stdout=subprocess.PIPE, text=True, **kwargs)
+        assert process.stdout.readline() == "ready\n"
+        started.process = process
+        started.set()
+        return process
+
+    def ctrl_c():
+        started.wait(30)
+        time.sleep(0.5)  # the pilot is waiting on its child by now
+        for pid in (started.process.pid, os.getpid()):  # what the terminal does
+            os.kill(pid, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    with mock.patch.object(subprocess, "Popen", popen), pytest.raises(KeyboardInterrupt):
+        _train([sys.executable, "-c", child])
+    assert saved.read_text() == "step 7" and started.process.returncode == 130

@@ -121,7 +121,7 @@ def run_pilot(
                            "--", *start_overrides(weights), _LR, f"{lr:g}",
                            *child_overrides(uri, experiment, parent, child)]  # fmt: skip
                 print(f"pilot: {child} ({recipe}) from {weights}", flush=True)
-                if subprocess.run(command).returncode != 0:
+                if _train(command) != 0:
                     failed.append(child)
     except BaseException:  # Ctrl-C (each `train` has saved and stopped) or a failed write
         target.end(parent, "KILLED", now_ms())
@@ -212,6 +212,17 @@ _MODEL_TRAINING = {"workflowType": "machine_learning"}
 def _ui(tracking_uri: str) -> str:
     served = tracking_uri.startswith(("http://", "https://"))
     return (tracking_uri if served else LOCAL_UI).rstrip("/")
+
+
+def _train(command: list[str]) -> int:
+    child = subprocess.Popen(command)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C reached `train` too, which saves a checkpoint and stops: wait for it (where
+        # subprocess.run would kill it a quarter second later). A second Ctrl-C stops both.
+        child.wait()
+        raise
 
 
 def _size_flags(seq_len: int | None, local_batch_size: int | None) -> list[str]:
