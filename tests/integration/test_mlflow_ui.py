@@ -175,8 +175,11 @@ def test_the_pilots_pairs_agree_and_the_ui_opens_on_their_comparison(tmp_path, m
     assert not {"Traces", "Latency"} <= seen
     seen = rendered_text(pilot.compare_url, "compare")
     assert seen >= CHILDREN, f"the children are not side by side at {pilot.compare_url}"
+    seen = rendered_text(pilot.loss_url, "loss")  # the curves' legend and table name them
+    assert seen >= {*CHILDREN, "loss"}, f"no loss curves at {pilot.loss_url}"
     screenshot(runs, "mlflow_ui_pilot_runs.png")
     screenshot(pilot.compare_url, "mlflow_ui_pilot_compare.png")
+    screenshot(pilot.loss_url, "mlflow_ui_pilot_loss.png")
 
 
 def test_a_perturbed_weight_fails_the_pilot_at_its_first_step(tmp_path):

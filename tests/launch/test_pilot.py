@@ -20,7 +20,14 @@ from mlflow import MlflowClient
 
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.plan import load_config
-from qwentitan.launch.tracking.pilot import PAIRS, compare, compare_url, run_pilot, runs_url
+from qwentitan.launch.tracking.pilot import (
+    PAIRS,
+    compare,
+    compare_url,
+    loss_url,
+    run_pilot,
+    runs_url,
+)
 from qwentitan.launch.tracking.pilot.plot import plot_losses
 from qwentitan.launch.tracking.pilot.run import _train
 from qwentitan.launch.tracking.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MlflowTarget
@@ -73,6 +80,11 @@ def test_the_compare_url_is_the_uis_compare_runs_route():
     assert query["workflowType"] == ["machine_learning"]  # else 3.17 opens its GenAI pages
     served = compare_url("http://mlflow.example:8080/", "7", ["a1"])
     assert served.startswith("http://mlflow.example:8080/#/compare-runs?")
+    loss = urllib.parse.urlsplit(loss_url("sqlite:///mlflow.db", "7", ["a1", "b2"]))
+    assert loss.fragment.startswith("/metric/loss?")
+    query = urllib.parse.parse_qs(loss.fragment.split("?", 1)[1])
+    assert json.loads(query["runs"][0]) == ["a1", "b2"] and query["x_axis"] == ["step"]
+    assert json.loads(query["plot_metric_keys"][0]) == ["loss"]
     assert runs_url("sqlite:///mlflow.db", "7") == (
         "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
         "&compareRunsMode=CHART"

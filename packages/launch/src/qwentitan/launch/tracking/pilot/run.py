@@ -59,6 +59,7 @@ class Pilot:
     pairs: list[PairResult]
     tracking_uri: str
     compare_url: str
+    loss_url: str
     plot: Path
 
     @property
@@ -153,13 +154,17 @@ def run_pilot(
         print(f"pilot: {result.verdict()}")
     if failed:
         print(f"pilot: the {', '.join(failed)} run(s) failed to train (see their log above)")
-    url = compare_url(uri, experiment_id, [runs[c] for c in children if c in runs])
+    trained = [runs[c] for c in children if c in runs]
+    url = compare_url(uri, experiment_id, trained)
     print(f"pilot: parent run {parent} in {uri}; curves in {plot}")
     if not uri.startswith(("http://", "https://")):
         print("pilot: serve the UI with `uv run nox -s mlflow_ui`, then open")
     print(f"runs:    {runs_url(uri, experiment_id)}")
+    print(f"loss:    {loss_url(uri, experiment_id, trained)}")
     print(f"compare: {url}", flush=True)
-    return Pilot(parent, runs, failed, results, uri, url, plot)
+    return Pilot(
+        parent, runs, failed, results, uri, url, loss_url(uri, experiment_id, trained), plot
+    )
 
 
 # torchtitan 0.3.0 keeps the learning rate in its optimizer's parameter groups; the tiny
@@ -190,11 +195,31 @@ def child_overrides(uri: str, experiment: str, parent_run_id: str, run_name: str
 def compare_url(tracking_uri: str, experiment_id: str, run_ids: list[str]) -> str:
     """The MLflow UI page showing these runs side by side (the UI's own compare-runs route)."""
     query = {
-        "runs": json.dumps(run_ids, separators=(",", ":")),
-        "experiments": json.dumps([experiment_id], separators=(",", ":")),
+        "runs": _json(run_ids),
+        "experiments": _json([experiment_id]),
         **_MODEL_TRAINING,
     }
     return f"{_ui(tracking_uri)}/#/compare-runs?{urllib.parse.urlencode(query)}"
+
+
+def loss_url(tracking_uri: str, experiment_id: str, run_ids: list[str]) -> str:
+    """The UI's metric page: these runs' loss curves on one plot, with a table of their values
+    (its own route, with the parameters its getMetricPageRoute writes)."""
+    query = {
+        "runs": _json(run_ids),
+        "metric": _json("loss"),
+        "experiments": _json([experiment_id]),
+        "plot_metric_keys": _json(["loss"]),
+        "plot_layout": "{}",
+        "x_axis": "step",
+        "y_axis_scale": "linear",
+        "line_smoothness": "1",
+        "show_point": "true",
+        "deselected_curves": "[]",
+        "last_linear_y_axis_range": "[]",
+        **_MODEL_TRAINING,
+    }
+    return f"{_ui(tracking_uri)}/#/metric/loss?{urllib.parse.urlencode(query)}"
 
 
 def runs_url(tracking_uri: str, experiment_id: str) -> str:
@@ -207,6 +232,10 @@ def runs_url(tracking_uri: str, experiment_id: str) -> str:
 # has chosen otherwise) and opens any experiment on its traces overview under GenAI, whatever
 # the experiment's kind tag says; this parameter of its own URLs picks model training.
 _MODEL_TRAINING = {"workflowType": "machine_learning"}
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _ui(tracking_uri: str) -> str:
