@@ -28,9 +28,11 @@ from qwentitan.launch.tracking.pilot import (
     run_pilot,
     runs_url,
 )
+from qwentitan.launch.tracking.pilot.__main__ import main as pilot_main
 from qwentitan.launch.tracking.pilot.plot import plot_losses
 from qwentitan.launch.tracking.pilot.run import _train
 from qwentitan.launch.tracking.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MlflowTarget
+from qwentitan.modeling import initial_checkpoint
 
 DENSE = PAIRS["dense"]
 
@@ -175,3 +177,27 @@ def test_ctrl_c_waits_for_the_child_train_to_save_and_stop(tmp_path):
     with mock.patch.object(subprocess, "Popen", popen), pytest.raises(KeyboardInterrupt):
         _train([sys.executable, "-c", child])
     assert saved.read_text() == "step 7" and started.process.returncode == 130
+
+
+def test_a_full_disk_is_one_sentence_exit_2_and_the_parent_run_is_ended(
+    tmp_path, monkeypatch, capsys
+):
+    def disk_full(flavor, folder, *, seed=0):
+        raise OSError(28, "No space left on device", str(folder))
+
+    monkeypatch.setattr(initial_checkpoint, "write_initial_checkpoint", disk_full)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    argv = ["--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri, "--pair", "dense"]
+    assert pilot_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"pilot: could not write ({tmp_path / 'pilot' / 'start' / 'tiny-dense'})")
+    assert "No space left on device; free some space or pass --run-dir on another disk." in err
+    (parent,) = MlflowClient(uri).search_runs(
+        [MlflowClient(uri).get_experiment_by_name("qwentitan-pilot").experiment_id]
+    )
+    assert parent.info.status == "FAILED"  # not left RUNNING
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    assert pilot_main(["--run-dir", str(not_a_folder / "pilot"), "--tracking-uri", uri]) == 2
+    assert capsys.readouterr().err.startswith("pilot: could not write")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         "1.1: the pilot must then fail, which shows that its check can",
     )
     args = parser.parse_args(argv)
+    # MLflow's INFO lines (creating a new sqlite store's tables, migrating it) say nothing a
+    # user acts on; its warnings and errors still show.
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     try:
         pilot = run_pilot(
             args.steps, args.ranks, args.run_dir, args.tracking_uri,
@@ -47,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except LaunchError as error:
         print(f"pilot: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a full disk or a read-only folder, writing checkpoints or the plot
+        where = f" ({error.filename})" if error.filename else ""
+        print(
+            f"pilot: could not write{where}: {error.strerror or error}; free some space or pass "
+            "--run-dir on another disk.",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("pilot: interrupted; the children that finished are in MLflow.", file=sys.stderr)

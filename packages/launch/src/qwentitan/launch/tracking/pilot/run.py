@@ -110,8 +110,8 @@ def run_pilot(
         tags={"pilot.children": ",".join(children), "pilot.perturbed": perturb or "none"},
     )  # fmt: skip
 
-    failed = []
     try:
+        failed = []
         for pair in chosen:
             start = _start_checkpoint(folder / "start" / pair.flavor, pair.flavor, seed)
             for child, recipe in zip(pair.children, pair.recipes, strict=True):
@@ -124,26 +124,25 @@ def run_pilot(
                 print(f"pilot: {child} ({recipe}) from {weights}", flush=True)
                 if _train(command) != 0:
                     failed.append(child)
-    except BaseException:  # Ctrl-C (each `train` has saved and stopped) or a failed write
-        target.end(parent, "KILLED", now_ms())
+        runs = {
+            run.info.run_name: run.info.run_id
+            for run in target.client.search_runs(
+                [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
+            )
+        }
+        if missing := [c for c in children if c not in failed and c not in runs]:
+            raise LaunchError(
+                f"The {', '.join(missing)} run(s) trained but logged no MLflow run under parent "
+                f"{parent}; the recipes' metrics must be "
+                "qwentitan.launch.tracking.tracked_metrics(...)."
+            )
+        losses = {child: _losses(target, runs[child]) for child in children if child in runs}
+        results = [compare(pair, losses, steps) for pair in chosen]
+        plot = plot_losses(losses, results, folder / PLOT)
+        _log_results(target, parent, results, plot)
+    except BaseException as error:  # Ctrl-C (each `train` has saved and stopped), a full disk
+        target.end(parent, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", now_ms())
         raise
-
-    runs = {
-        run.info.run_name: run.info.run_id
-        for run in target.client.search_runs(
-            [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
-        )
-    }
-    if missing := [c for c in children if c not in failed and c not in runs]:
-        target.end(parent, "FAILED", now_ms())
-        raise LaunchError(
-            f"The {', '.join(missing)} run(s) trained but logged no MLflow run under parent "
-            f"{parent}; the recipes' metrics must be qwentitan.launch.tracking.tracked_metrics(...)."
-        )
-    losses = {child: _losses(target, runs[child]) for child in children if child in runs}
-    results = [compare(pair, losses, steps) for pair in chosen]
-    plot = plot_losses(losses, results, folder / PLOT)
-    _log_results(target, parent, results, plot)
     passed = not failed and all(r.passed for r in results)
     target.log(parent, tags={"pilot.failed": ",".join(failed) or "none",
                              "pilot.result": "passed" if passed else "failed"})  # fmt: skip
