@@ -174,8 +174,14 @@ def test_ctrl_c_waits_for_the_child_train_to_save_and_stop(tmp_path):
             os.kill(pid, signal.SIGINT)
 
     threading.Thread(target=ctrl_c, daemon=True).start()
-    with mock.patch.object(subprocess, "Popen", popen), pytest.raises(KeyboardInterrupt):
-        _train([sys.executable, "-c", child])
+    # Python's own Ctrl-C handler, even where this test runs in a background job (which
+    # starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with mock.patch.object(subprocess, "Popen", popen), pytest.raises(KeyboardInterrupt):
+            _train([sys.executable, "-c", child])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert saved.read_text() == "step 7" and started.process.returncode == 130
 
 
