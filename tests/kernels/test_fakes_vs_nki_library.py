@@ -22,6 +22,7 @@ import torch
 
 from qwentitan.kernels import block_routing
 
+from .cases import rope_cache
 from .fakes import nkilib as fake_nkilib
 from .fakes import torch_neuronx as fake_torch_neuronx
 
@@ -90,15 +91,9 @@ def _launch(kernel, **kwargs):
     return fake_torch_neuronx.wrap_nki(kernel)[(2,)](**kwargs)
 
 
-def _cache(seq, dim):
-    freqs = torch.outer(torch.arange(seq).float(), 1e4 ** -(torch.arange(0, dim, 2) / dim))
-    theta = torch.cat([freqs, freqs], -1)
-    return torch.cat([theta.cos(), theta.sin()], -1)
-
-
 @pytest.mark.parametrize("backward", [False, True])
 def test_rope_hf(refs, lib, backward):
-    q, k, cache = torch.randn(2, 4, 256, 16), torch.randn(2, 2, 256, 16), _cache(256, 16)
+    q, k, cache = torch.randn(2, 4, 256, 16), torch.randn(2, 2, 256, 16), rope_cache(256, 16)
     got = _launch(
         lib["rope_hf"].rope_hf,
         q=q,

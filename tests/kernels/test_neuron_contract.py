@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from qwentitan.kernels import KernelError, block_routing, nki_loader
+from qwentitan.kernels import KernelError, nki_loader
 from qwentitan.kernels.attention import (
     causal_attention_backward_nki,
     causal_attention_backward_reference,
@@ -28,31 +28,9 @@ from qwentitan.kernels.experts import (
 from qwentitan.kernels.rope import rope_backward_reference, rope_nki, rope_reference
 
 from . import fakes
+from .cases import experts_case, rope_cache
 from .fakes import nki as fake_nki
 from .fakes import torch_neuronx as fake_torch_neuronx
-
-
-def _cache(max_seq, dim):
-    freqs = torch.outer(torch.arange(max_seq).float(), 1e4 ** -(torch.arange(0, dim, 2) / dim))
-    theta = torch.cat([freqs, freqs], -1)
-    return torch.cat([theta.cos(), theta.sin()], -1)
-
-
-def _experts_case(tokens=64, hidden=512, inter=64, experts=4, top_k=2, block=256):
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    aff = torch.zeros(tokens, experts).scatter(1, ids, torch.rand(tokens, top_k, generator=gen))
-    tpid, b2e = block_routing(ids, experts, block)
-    return (
-        torch.randn(tokens, hidden, generator=gen),
-        aff,
-        torch.randn(experts, hidden, 2, inter, generator=gen) * hidden**-0.5,
-        torch.randn(experts, inter, hidden, generator=gen) * inter**-0.5,
-        tpid,
-        b2e,
-        block,
-    )
-
 
 # The fakes refuse what the real packages refuse.
 
@@ -69,7 +47,7 @@ def test_the_fake_wrap_nki_takes_a_grid_sequence_and_only_hashable_constants(neu
     moe = sys.modules["nkilib.core.moe.moe_cte.moe_cte"]
     spec = moe.MoECTESpec(implementation=moe.MoECTEImplementation.shard_on_i)
     with pytest.raises(TypeError, match="'spec' of type MoECTESpec is not hashable"):
-        caller[(2,)](*_experts_case()[:4], torch.zeros(1), torch.zeros(1, 1), 256, spec)
+        caller[(2,)](*experts_case()[:4], torch.zeros(1), torch.zeros(1, 1), 256, spec)
 
 
 def test_the_fake_takes_the_lnc_from_the_callers_grid_only(neuron):
@@ -92,7 +70,7 @@ def test_the_fake_refuses_a_jit_kernel_called_inside_another_trace(neuron):
 
 def test_rope_launches_rope_hf_through_wrap_nki(neuron):
     torch.manual_seed(0)
-    q, k, cache = torch.randn(2, 256, 4, 16), torch.randn(2, 256, 2, 16), _cache(300, 16)
+    q, k, cache = torch.randn(2, 256, 4, 16), torch.randn(2, 256, 2, 16), rope_cache(300, 16)
     for got, want in zip(rope_nki(q, k, cache, False), rope_reference(q, k, cache), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     dq, dk = torch.randn_like(q), torch.randn_like(k)
@@ -138,7 +116,7 @@ def test_loading_a_kernel_imports_torch_neuronx_explicitly(neuron, monkeypatch):
 def test_moe_launchers_are_top_level_kernels_that_wrap_nki_accepts(neuron, name):
     launcher = nki_loader._moe_launcher(name)
     assert isinstance(launcher, fake_nki.JitKernel) and launcher.mode is None
-    args = _experts_case()
+    args = experts_case()
     _, gate_up_act, down_act = grouped_experts_reference(*args)
     padded = torch.cat([args[0], torch.zeros(1, 512)])
     flat_aff = torch.cat([args[1], torch.zeros(1, 4)]).reshape(-1, 1)
@@ -163,7 +141,7 @@ def test_moe_launchers_are_top_level_kernels_that_wrap_nki_accepts(neuron, name)
 
 
 def test_grouped_experts_run_moe_cte_and_blockwise_mm_bwd_end_to_end(neuron):
-    args = _experts_case()
+    args = experts_case()
     got = grouped_experts_nki(*args)
     want = grouped_experts_reference(*args)
     for g, w in zip(got, want, strict=True):
@@ -186,7 +164,7 @@ def test_the_backward_picks_a_shard_option_the_installed_library_has(monkeypatch
     monkeypatch.setattr(nki_loader, "_cache", {})
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
     fakes.install(monkeypatch, version)
-    args = _experts_case()
+    args = experts_case()
     _, gate_up_act, down_act = grouped_experts_reference(*args)
     grad = torch.randn(64, 512)
     got = grouped_experts_backward_nki(grad, *args[:4], gate_up_act, down_act, *args[4:])

@@ -8,20 +8,15 @@ import sys
 import pytest
 import torch
 
-from qwentitan.kernels import KernelError, block_routing, nki_loader
+from qwentitan.kernels import KernelError, nki_loader
 from qwentitan.kernels.attention import causal_attention_backward_nki, causal_attention_nki
 from qwentitan.kernels.experts import grouped_experts_nki
 from qwentitan.kernels.neuron_dispatch import has_neuron_impl
 from qwentitan.kernels.rope import rope_nki
 
+from .cases import experts_case, rope_cache
 from .fakes.nkilib import attention_cte
 from .fakes.torch_neuronx import wrap_nki
-
-
-def _cache(max_seq, dim):
-    freqs = torch.outer(torch.arange(max_seq).float(), 1e4 ** -(torch.arange(0, dim, 2) / dim))
-    theta = torch.cat([freqs, freqs], -1)
-    return torch.cat([theta.cos(), theta.sin()], -1)
 
 
 def test_every_op_has_a_neuron_implementation_and_cpu_uses_the_twin():
@@ -57,10 +52,10 @@ def test_loading_a_kernel_without_the_neuron_sdk_is_a_clear_error(monkeypatch):
 def test_rope_refuses_a_sequence_not_a_multiple_of_128_x_lnc(neuron, monkeypatch):
     q, k = torch.randn(1, 128, 2, 8), torch.randn(1, 128, 2, 8)
     with pytest.raises(KernelError, match="multiple of 128 x LNC = 256"):
-        rope_nki(q, k, _cache(128, 8), False)
+        rope_nki(q, k, rope_cache(128, 8), False)
     assert neuron["rope_hf"].calls == [], "refused before the kernel is called"
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
-    rope_nki(q, k, _cache(128, 8), False)  # LNC=1 takes multiples of 128
+    rope_nki(q, k, rope_cache(128, 8), False)  # LNC=1 takes multiples of 128
     assert len(neuron["rope_hf"].calls) == 1
 
 
@@ -72,7 +67,7 @@ def test_the_rope_double_rejects_torchtitans_untransposed_layout(neuron):
             k=q,
             q_out=torch.empty_like(q),
             k_out=torch.empty_like(q),
-            rope_cache=_cache(300, 16),
+            rope_cache=rope_cache(300, 16),
         )
 
 
@@ -97,25 +92,9 @@ def test_attention_refuses_shapes_the_kernels_cannot_take(neuron):
     assert neuron["attention_bwd"].calls == []
 
 
-def _experts_case(tokens=64, hidden=512, inter=64, experts=4, top_k=2, block=256):
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    aff = torch.zeros(tokens, experts).scatter(1, ids, torch.rand(tokens, top_k, generator=gen))
-    tpid, b2e = block_routing(ids, experts, block)
-    return (
-        torch.randn(tokens, hidden, generator=gen),
-        aff,
-        torch.randn(experts, hidden, 2, inter, generator=gen) * hidden**-0.5,
-        torch.randn(experts, inter, hidden, generator=gen) * inter**-0.5,
-        tpid,
-        b2e,
-        block,
-    )
-
-
 def test_grouped_experts_refuse_shapes_the_kernels_cannot_take(neuron):
     with pytest.raises(KernelError, match="block_size 128"):
-        grouped_experts_nki(*_experts_case(block=128))
+        grouped_experts_nki(*experts_case(block=128))
     with pytest.raises(KernelError, match="hidden 256"):
-        grouped_experts_nki(*_experts_case(hidden=256))
+        grouped_experts_nki(*experts_case(hidden=256))
     assert "moe_blockwise_fwd" not in nki_loader._cache, "refused before the kernel loads"

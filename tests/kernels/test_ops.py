@@ -17,17 +17,13 @@ from qwentitan.kernels import (
 )
 from qwentitan.kernels.attention import _math_backward, _math_forward
 
-
-def _cache(max_seq, dim, dtype=torch.float32):
-    freqs = torch.outer(torch.arange(max_seq).double(), 1e4 ** -(torch.arange(0, dim, 2) / dim))
-    theta = torch.cat([freqs, freqs], -1)
-    return torch.cat([theta.cos(), theta.sin()], -1).to(dtype)
+from .cases import rope_cache
 
 
 def _rope_args(dtype=torch.float32, grad=False):
     q = torch.randn(2, 8, 4, 8, dtype=dtype, requires_grad=grad)
     k = torch.randn(2, 8, 2, 8, dtype=dtype, requires_grad=grad)
-    return q, k, _cache(12, 8, dtype)
+    return q, k, rope_cache(12, 8, dtype)
 
 
 def _attention_args(dtype=torch.float32, grad=False, seq=8):
@@ -86,7 +82,7 @@ def test_gradcheck_float64_for_every_op():
     torch.manual_seed(0)
     q = torch.randn(1, 4, 2, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 4, 1, 4, dtype=torch.float64, requires_grad=True)
-    cache = _cache(6, 4, torch.float64)
+    cache = rope_cache(6, 4, torch.float64)
     assert torch.autograd.gradcheck(lambda q, k: rope(q, k, cache), (q, k))
     # rope is linear: its backward op has a gradient too (the forward rotation).
     assert torch.autograd.gradcheck(
@@ -121,7 +117,7 @@ def test_rope_matches_the_rotate_half_formula_exactly_and_leaves_the_cache_witho
 def test_rope_rejects_a_cache_shorter_than_the_sequence():
     q, k, _ = _rope_args()
     with pytest.raises(KernelError, match="max_seq_len"):
-        rope(q, k, _cache(4, 8))
+        rope(q, k, rope_cache(4, 8))
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
 
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -26,15 +25,6 @@ from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import Flavor, get_flavor
 
 ATTN_BACKENDS = ("sdpa", "flex", "varlen")
-
-
-@cache
-def _float32_experts() -> type:
-    # The one float32 GroupedExperts: the checkpoint package's logit check needs it too, and
-    # it cannot import this package (the arrow points the other way).
-    from qwentitan.checkpoint.logits import float32_grouped_experts
-
-    return float32_grouped_experts()
 
 
 def _inner_attention(attn_backend: str):
@@ -97,9 +87,13 @@ def native_model_config(
             # cannot carry: an exported model would route differently from the trained one.
             layer.moe.load_balance_coeff = None
             if float32_experts:
+                # The one float32 GroupedExperts: the checkpoint package's logit check uses it
+                # too, and it cannot import this package (the arrow points the other way).
+                from qwentitan.checkpoint.logits import float32_grouped_experts
+
                 inner = layer.moe.routed_experts.inner_experts
-                layer.moe.routed_experts.inner_experts = _float32_experts().Config(
-                    **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner) if f.init}
+                layer.moe.routed_experts.inner_experts = float32_grouped_experts().Config(
+                    **{k.name: getattr(inner, k.name) for k in dataclasses.fields(inner) if k.init}
                 )
 
     norm = _qwen3_norm(f.hidden_size)

@@ -17,8 +17,9 @@ from typing import Any
 
 RUN_KEY_TAG = "qwentitan.run_key"
 PARENT_TAG = "mlflow.parentRunId"
-# The MLflow UI (3.x) opens an experiment without this tag on its GenAI traces overview, empty
-# for training runs; with it, on the runs table and its charts. An experiment that already
+# What MLflow 3.x calls a training experiment, as against a GenAI one. MLflow 3.17's UI still
+# opens any experiment on its GenAI traces overview unless the URL asks for its model-training
+# view (`workflowType=machine_learning`, as the pilot's URLs do). An experiment that already
 # says what it is keeps its kind.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"

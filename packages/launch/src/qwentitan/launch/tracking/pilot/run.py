@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwentitan.launch.data.cache import atomic_folder
 from qwentitan.launch.errors import LaunchError
 from qwentitan.launch.recipes import recipe_info
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
@@ -33,9 +34,9 @@ from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
 
 PILOT_EXPERIMENT = "qwentitan-pilot"
 # The tiny recipes' 1e-2 trains fast but spikes now and then (loss 8.3 -> 10.2 at one step
-# in a 20-step run); a spike magnifies any float32 rounding difference a thousandfold, in two
-# implementations or in one run twice with another reduction order. The pilot compares paths,
-# so it trains where a step is well conditioned.
+# in a 20-step run), and that spike magnified the float32 rounding difference between hf and
+# native a thousandfold. The pilot compares paths, so it trains where a step is well
+# conditioned.
 PILOT_LR = 3e-3
 LOCAL_UI = "http://127.0.0.1:5000"  # where `uv run nox -s mlflow_ui` serves a local store
 PLOT = "pilot_losses.png"
@@ -154,16 +155,17 @@ def run_pilot(
     if failed:
         print(f"pilot: the {', '.join(failed)} run(s) failed to train (see their log above)")
     trained = [runs[c] for c in children if c in runs]
-    url = compare_url(uri, experiment_id, trained)
+    url, losses_page = (
+        compare_url(uri, experiment_id, trained),
+        loss_url(uri, experiment_id, trained),
+    )
     print(f"pilot: parent run {parent} in {uri}; curves in {plot}")
     if not uri.startswith(("http://", "https://")):
         print("pilot: serve the UI with `uv run nox -s mlflow_ui`, then open")
     print(f"runs:    {runs_url(uri, experiment_id)}")
-    print(f"loss:    {loss_url(uri, experiment_id, trained)}")
+    print(f"loss:    {losses_page}")
     print(f"compare: {url}", flush=True)
-    return Pilot(
-        parent, runs, failed, results, uri, url, loss_url(uri, experiment_id, trained), plot
-    )
+    return Pilot(parent, runs, failed, results, uri, url, losses_page, plot)
 
 
 # torchtitan 0.3.0 keeps the learning rate in its optimizer's parameter groups; the tiny
@@ -277,18 +279,13 @@ def _perturbed(start: Path) -> Path:
     folder = start.with_name(f"{start.name}-perturbed")
     if folder.exists():
         return folder
-    partial = start.with_name(f".{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        shutil.copytree(start, partial)
+    with atomic_folder(folder) as partial:
+        shutil.copytree(start, partial, dirs_exist_ok=True)
         for file in partial.glob("*.safetensors"):
             tensors = load_file(file)
             if PERTURBED_WEIGHT in tensors:
                 tensors[PERTURBED_WEIGHT] = tensors[PERTURBED_WEIGHT] * PERTURB_SCALE
                 save_file(tensors, file, metadata={"format": "pt"})
-        partial.rename(folder)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 
