@@ -52,11 +52,3 @@ def copy_range(src: Path, dst_fd: int, offset: int, nbytes: int, at: int, fix: s
                 )
             done += got
     return True
-
-
-def format_size(nbytes: int) -> str:
-    """Bytes for a message, in decimal units like `df -H`: '3.4 GB', '5 MB', '512 B'."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes} B"

@@ -28,8 +28,8 @@ from rich.progress import (
 )
 
 from qwentitan.checkpoint.dcp_io import METADATA
-from qwentitan.checkpoint.disk import format_size
 from qwentitan.checkpoint.errors import CheckpointError
+from qwentitan.checkpoint.files import format_size
 from qwentitan.checkpoint.safetensors_io import INDEX, SINGLE
 
 # What a folder of each kind may hold and still be replaced by --overwrite: its own files only.

@@ -1,0 +1,100 @@
+"""Writing files so that nothing is ever left half written, and the one free-disk rule.
+
+The workspace's single home for both ideas: `qwentitan.launch` imports them from here (the
+package arrows let launch use checkpoint, never the reverse). Imports nothing heavy: the
+launcher's CLI reaches it before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "FREE_SPACE_MARGIN",
+    "DiskRoom",
+    "atomic_file",
+    "atomic_folder",
+    "disk_room",
+    "format_size",
+]
+
+# Room asked for beyond an estimate: file-system metadata and small files the estimate omits.
+FREE_SPACE_MARGIN = 1.05
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `path` to write; it replaces `path` when the block succeeds
+    and is removed when it fails, so `path` is always either the old file or the whole new one."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder of `target`; rename it into place when the block succeeds.
+
+    Several processes may build the same folder at once (ranks filling one cache): each writes
+    its own temporary folder, the first rename wins, and later ones find the folder already there.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class DiskRoom:
+    """Free space on the file system that will hold `path`, against what is to be written."""
+
+    folder: Path  # the nearest existing folder at or above the path asked about
+    free: int
+    needed: int
+
+    @property
+    def enough(self) -> bool:
+        return self.free >= self.needed * FREE_SPACE_MARGIN
+
+    def shortage(self, fix: str) -> str:
+        """The one sentence for a disk without room, ending in `fix`."""
+        return (
+            f"{self.folder} has {format_size(self.free)} free but this needs about "
+            f"{format_size(int(self.needed * FREE_SPACE_MARGIN))}; {fix}."
+        )
+
+
+def disk_room(path: Path, needed: int) -> DiskRoom:
+    """The room for `needed` bytes at `path` (which need not exist yet)."""
+    folder = Path(path).expanduser().absolute()
+    while not folder.exists():
+        folder = folder.parent
+    return DiskRoom(folder, shutil.disk_usage(folder).free, needed)
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes for a message, in decimal units like `df -H`: '3.4 GB', '5 MB', '512 B'."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
