@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import runpy
+import sys
 from pathlib import Path
 
 import nox
@@ -12,6 +14,10 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "isolation", "integration"]
 
 PACKAGES = ("kernels", "modeling", "checkpoint", "launch")
+# The Neuron SDK versions, the DLAMI's venv and the indexes: one file, read here by path.
+NEURON_SDK = runpy.run_path(
+    str(Path(__file__).parent / "packages/launch/src/qwentitan/launch/base/neuron_sdk.py")
+)
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -25,6 +31,18 @@ def _sync(session: nox.Session, *args: str) -> None:
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )
+
+
+def _interpreter(version: str) -> str:
+    """A CPython `version` interpreter: pyenv's newest install of it, else the bare version for
+    uv to find (pyenv's shims name only the active versions, so uv cannot see the others)."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = sorted(root.glob(f"{version}.*/bin/python{version}"))
+    return str(found[-1]) if found else version
+
+
+# The trn2 host's Python (the Neuron wheels exist for 3.12-3.14 only); CI rehearses on it too.
+TRN2_PYTHON = "3.13"
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
@@ -44,6 +62,22 @@ def tests(session: nox.Session) -> None:
     """The whole test suite in one environment holding every package."""
     _sync(session, "--all-packages", "--group", "test")
     _pytest(session, "tests")
+
+
+@nox.session(name=f"tests-{TRN2_PYTHON}", python=_interpreter(TRN2_PYTHON))
+def tests_trn2_python(session: nox.Session) -> None:
+    """The CPU rehearsal on the trn2 host's Python: the launch and modeling tests (those marked
+    slow are left to the 3.11 run) and a 10-step tiny training."""
+    _sync(session, "--all-packages", "--group", "test")
+    session.run(
+        "python", "-m", "pytest", "tests/launch", "tests/modeling", "-m", "not slow",
+        "-p", "no:cacheprovider", *session.posargs,
+    )  # fmt: skip
+    run_dir = Path(session.create_tmp()) / "tiny-train"
+    session.run(
+        "qwentitan-launch", "train", "--steps", "10", "--run-dir", str(run_dir),
+        env={"QWENTITAN_MLFLOW": "off"},
+    )  # fmt: skip
 
 
 @nox.session
@@ -131,12 +165,36 @@ def mlflow_ui(session: nox.Session) -> None:
 def train_trn2(session: nox.Session) -> None:
     """A trn2.48xlarge recipe: `-- --recipe qwen3_4b_hf|qwen3_4b_native|qwen3_moe_kernels [--dry-run]`.
 
-    Launches torchrun on a host with Neuron devices. On any other host it prints the plan and
-    fails with one sentence (the CLI exits 2); `--dry-run` prints the plan anywhere. Untested on
-    Trainium: nothing in this repository has run there.
+    On a trn2 host (`--neuron-venv DIR`, default the Neuron DLAMI's venv when it exists) it first
+    installs qwentitan into DIR, never touching its torch, torch-neuronx, neuronx-cc or nki
+    (scripts/neuron_venv.py), then runs `qwentitan-launch run` with DIR's Python; `--dry-run`
+    installs too and prints the plan, `--install-only` stops after the install. Without a Neuron venv it prints the plan from this
+    workspace's environment and fails with one sentence (the CLI exits 2) unless `--dry-run`.
+    Untested on Trainium: nothing in this repository has run there.
     """
-    _sync(session, "--all-packages")
     args = list(session.posargs)
     if not any(a == "--instance" or a.startswith("--instance=") for a in args):
         args += ["--instance", "trn2.48xlarge"]
-    session.run("qwentitan-launch", "run", *args)
+    venv, args = _neuron_venv(args)
+    if venv is None:
+        _sync(session, "--all-packages")
+        session.run("qwentitan-launch", "run", *args)
+        return
+    session.run(
+        sys.executable, "scripts/neuron_venv.py", "--venv", venv, external=True,
+    )  # fmt: skip
+    if "--install-only" in args:
+        return
+    python = str(Path(venv).absolute() / "bin" / "python")
+    session.run(python, "-m", "qwentitan.launch.launcher.cli", "run", *args, external=True)
+
+
+def _neuron_venv(args: list[str]) -> tuple[str | None, list[str]]:
+    """`--neuron-venv DIR` taken out of the arguments, else the DLAMI's venv when it exists."""
+    for i, arg in enumerate(args):
+        if arg == "--neuron-venv" and i + 1 < len(args):
+            return args[i + 1], args[:i] + args[i + 2 :]
+        if arg.startswith("--neuron-venv="):
+            return arg.split("=", 1)[1], args[:i] + args[i + 1 :]
+    dlami = Path(NEURON_SDK["DLAMI_VENV"])
+    return (str(dlami) if dlami.is_dir() else None), args

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 _TINY = "qwentitan.launch.recipes.tiny"
 _TRN2 = "qwentitan.launch.recipes.trn2"
 TRN2_INSTANCE = NEURON_TARGET
+_QWEN3_4B = "Qwen/Qwen3-4B-Instruct-2507"
+_QWEN3_30B = "Qwen/Qwen3-30B-A3B"
+_SMALL_FILES = ("*.json", "*.txt")  # config, tokenizer, generation config, merges
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,10 @@ class Recipe:
     """Implementation path: hf, native or moe-kernels (tagged on its MLflow runs)."""
     instance: str | None = None
     """The instance type it is sized for; None: whatever host runs it."""
+    hub_model: str | None = None
+    """The Hugging Face Hub model whose folder the recipe reads (`qwentitan-launch fetch`)."""
+    hub_files: tuple[str, ...] = ()
+    """Which files of it the recipe needs (glob patterns); empty: all of them."""
 
 
 _RECIPES = {
@@ -50,9 +57,10 @@ _RECIPES = {
         Recipe("tiny_hf", _TINY, "hf"),
         Recipe("tiny_moe", _TINY, "native"),
         Recipe("tiny_moe_kernels", _TINY, "moe-kernels"),
-        Recipe("qwen3_4b_hf", _TRN2, "hf", TRN2_INSTANCE),
-        Recipe("qwen3_4b_native", _TRN2, "native", TRN2_INSTANCE),
-        Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", TRN2_INSTANCE),
+        Recipe("qwen3_4b_hf", _TRN2, "hf", TRN2_INSTANCE, _QWEN3_4B),
+        Recipe("qwen3_4b_native", _TRN2, "native", TRN2_INSTANCE, _QWEN3_4B),
+        # Its weights start from a random initialisation: the config and tokenizer suffice.
+        Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", TRN2_INSTANCE, _QWEN3_30B, _SMALL_FILES),
     )
 }
 # The recipes written for one trn2.48xlarge (the others train on this host).

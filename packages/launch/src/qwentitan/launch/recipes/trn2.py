@@ -15,6 +15,14 @@ from that field, never from `hf_assets_path`, so one folder is two fields). Thei
   model folder of Qwen3-4B-Instruct-2507 (config.json, tokenizer.json, safetensors).
 - `$QWENTITAN_QWEN3_30B_A3B_DIR`, else `./assets/hf/Qwen3-30B-A3B`: its tokenizer is
   used by the MoE recipe, whose weights start from a random initialisation.
+
+`qwentitan-launch fetch --recipe NAME` downloads a recipe's model folder from the Hub.
+
+Data is on the host too: every recipe reads the offline corpus (`offline`, built from the
+Python installation, no network) unless `--dataloader.dataset` names a JSON-lines file or folder
+of `{"text": ...}` lines, or a Hub dataset (then every rank streams it). torchtitan's own
+`c4_test` is a folder of torchtitan's source tree, in no wheel, and `c4` streams from the Hub,
+so neither is a default. `qwentitan-launch preflight` reads the first batch offline.
 """
 
 from __future__ import annotations
@@ -25,11 +33,11 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.recipes import TRN2_RECIPES, recipe_info
+from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader
 from qwentitan.launch.runtime.trainer import Trainer
 from qwentitan.launch.tracking import tracked_metrics
 
@@ -72,7 +80,7 @@ def _loss(flavor: str) -> ChunkedLossWrapper.Config:
 def qwen3_4b_hf() -> Trainer.Config:
     """Transformers v5 Qwen3-4B-Instruct-2507 from its local folder, fine-tuned 10 steps.
 
-    As in the guide: c4_test-style text, local batch 1 on each of 64 ranks (FSDP over all),
+    As in the guide: c4-style text (here the offline corpus, on the host), local batch 1 on each of 64 ranks (FSDP over all),
     HF weights loaded at the start and the final model written back as HF safetensors.
     """
     folder = qwen3_4b_folder()
@@ -82,7 +90,7 @@ def qwen3_4b_hf() -> Trainer.Config:
         hf_assets_path=folder,
         loss=_loss("qwen3-4b"),
         metrics=_metrics("qwen3_4b_hf"),
-        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test"),
+        dataloader=TextDataLoader.Config(dataset=OFFLINE),
         training=TrainingConfig(local_batch_size=1, seq_len=4096, steps=10, dtype="float32"),
         # the hf path shards with the flattened "fsdp" mesh only partial_dtensor builds
         parallelism=ParallelismConfig(
@@ -112,6 +120,7 @@ def qwen3_4b_native() -> Trainer.Config:
     config.hf_assets_path = qwen3_4b_folder()
     config.training.local_batch_size = 1
     config.training.global_batch_size = 64
+    config.dataloader = TextDataLoader.Config(dataset=OFFLINE)  # torchtitan's streams c4
     # torchtitan's recipe leaves checkpoints off; a long rented run needs them to survive
     # preemption (every `interval` = 500 steps, full state, resumed by the next run).
     config.checkpoint.enable = True
@@ -129,6 +138,7 @@ def qwen3_moe_kernels() -> Trainer.Config:
     config.compile = CompileConfig(enable=False)  # eager: the custom ops run as they are
     config.training.local_batch_size = 1
     config.training.steps = 10
+    config.dataloader = TextDataLoader.Config(dataset=OFFLINE)  # torchtitan's streams c4
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=-1, expert_parallel_degree=1)
     config.checkpoint.enable = True
     return config

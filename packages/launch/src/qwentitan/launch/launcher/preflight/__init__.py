@@ -1,7 +1,8 @@
 """`qwentitan-launch preflight`: check everything that can go wrong before the expensive run.
 
-Checks, in order: installed versions against the tested matrix, device count against ranks,
-LNC consistency, the sequence-length rule, the weights folder (keys and shapes against the
+Checks, in order: installed versions against the tested matrix, the Neuron SDK stack against
+the pairs AWS documents (and which torchtitan is imported), device count against ranks, EFA on
+a multi-node plan, LNC consistency, the sequence-length rule, the training dataset read offline, the weights folder (keys and shapes against the
 flavor), an HF -> DCP -> HF round trip of those weights, kernel numerics of each custom op on
 this host's device, an initialisation check (loss with the loaded weights far below a random
 initialisation's), and free disk for the planned checkpoints. Checks that need the target device

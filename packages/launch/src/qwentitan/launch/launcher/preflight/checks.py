@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from qwentitan.launch.base import neuron_sdk
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import GIB, LNC_ENV, configured_lnc
 from qwentitan.launch.launcher.environment import lnc_in_compiler_flags, merged_env, rank_env
@@ -27,8 +28,9 @@ TESTED = {
     "safetensors": "0.8.",
     "mlflow": "3.",
 }
-# Needed on Trainium only; torch-neuronx 2.14.3 is built against torch 2.14.
-TESTED_NEURON = {"torch-neuronx": "2.14.3"}
+# Needed on Trainium only; torch-neuronx 2.14.3 is built against torch 2.14 (the documented
+# pairs, neuron_stack.py, check the rest of the Neuron SDK stack).
+TESTED_NEURON = {"torch-neuronx": neuron_sdk.STACK["torch-neuronx"]}
 
 
 def _installed(name: str) -> str | None:

@@ -6,7 +6,7 @@ import socket
 from collections.abc import Callable
 
 from qwentitan.launch.launcher.plan import LaunchPlan
-from qwentitan.launch.launcher.preflight import checks, weights
+from qwentitan.launch.launcher.preflight import checks, dataset, efa, neuron_stack, weights
 from qwentitan.launch.launcher.preflight.report import CheckResult, PreflightReport
 
 
@@ -22,13 +22,17 @@ def run_preflight(
     `compile_smoke` adds a last check that trains one step on this host (minutes on Neuron).
     """
     host = checks.host_device_type()
+    on_target = host == plan.topology.device_type
     report = PreflightReport(plan.recipe, plan.topology.name, f"{socket.gethostname()} ({host})")
     folder = weights.weights_folder(plan, weights_dir)
     steps: list[tuple[str, Callable[[], CheckResult]]] = [
         ("versions", lambda: checks.check_versions(plan)),
+        ("neuron_stack", lambda: neuron_stack.check_neuron_stack(plan, on_neuron_host=on_target)),
         ("devices", lambda: checks.check_devices(plan)),
+        ("efa", lambda: efa.check_efa(plan, on_target_host=on_target)),
         ("lnc", lambda: checks.check_lnc(plan)),
         ("seq_len", lambda: checks.check_seq_len(plan)),
+        ("dataset", lambda: dataset.check_dataset(plan)),
         ("weights", lambda: weights.check_weights(plan, folder)),
         ("round_trip", lambda: weights.check_round_trip(plan, folder)),
         ("kernels", lambda: checks.check_kernels(plan)),

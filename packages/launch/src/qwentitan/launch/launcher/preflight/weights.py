@@ -52,9 +52,7 @@ def expected_shapes(flavor) -> dict[str, tuple[int, ...]]:
 def check_weights(plan: LaunchPlan, folder: Path) -> CheckResult:
     flavor = _flavor(plan)
     if not folder.is_dir():
-        return CheckResult(
-            "weights", "fail", f"no weights folder at {folder}; set the path (--weights)"
-        )
+        return CheckResult("weights", "fail", f"no weights folder at {folder}; {_get_it(plan)}")
     if not (folder / "config.json").exists():
         return CheckResult(
             "weights", "fail", f"{folder} lacks config.json; export or copy the model there"
@@ -98,6 +96,17 @@ def check_weights(plan: LaunchPlan, folder: Path) -> CheckResult:
         f"{len(found)} tensors in {len(files)} file(s) match flavor {flavor.name} ({figures['bytes'] / 1e9:.2f} GB)",
         figures,
     )
+
+
+def _get_it(plan: LaunchPlan) -> str:
+    """How to put the recipe's model folder on the host, in a few words."""
+    from qwentitan.launch.launcher.commands.fetch import fetch_command
+    from qwentitan.launch.recipes import recipe_info
+
+    hub = recipe_info(plan.recipe).hub_model
+    if hub is None:
+        return "set the path (--weights)"
+    return f"download {hub} there with `{fetch_command(plan.recipe)}`, or pass --weights DIR"
 
 
 def _one_layer_copy(folder: Path, dst: Path) -> Path:
