@@ -1,0 +1,189 @@
+"""The trn2 host as AWS documents it, through stand-ins on CPU: the Neuron SDK stack and the
+imported torchtitan, the dataset read offline, EFA, and the weights download (`fetch`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwentitan.launch.base import neuron_sdk
+from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.preflight.dataset import check_dataset
+from qwentitan.launch.launcher.preflight.efa import check_efa, efa_devices, fi_info_endpoints
+from qwentitan.launch.launcher.preflight.neuron_stack import check_neuron_stack, installed_version
+from qwentitan.launch.launcher.preflight.weights import check_weights
+from qwentitan.launch.recipes import TRN2_RECIPES
+
+DOCUMENTED = {
+    "torch": "2.14.0",
+    "torch-neuronx": "2.14.3.0",
+    "neuronx-cc": "2.21.33.0",
+    "nki": "0.3.0",
+    "torchtitan": "0.3.0",
+}
+
+
+@pytest.fixture(scope="module")
+def trn2_plan():
+    return resolve_plan("qwen3_4b_native")
+
+
+def fake_distributions(site: Path, versions: dict[str, str]) -> None:
+    """dist-info folders that importlib.metadata finds, as an installed wheel leaves them."""
+    for name, version in versions.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_the_documented_neuron_stack_passes_from_installed_metadata(
+    trn2_plan, tmp_path, monkeypatch
+):
+    fake_distributions(tmp_path, DOCUMENTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert installed_version("torch-neuronx") == "2.14.3.0"
+
+    result = check_neuron_stack(trn2_plan, on_neuron_host=True, python=(3, 13, 0))
+
+    assert result.status == "pass", result.detail
+    assert "torch 2.14.0, torch-neuronx 2.14.3.0, neuronx-cc 2.21.33.0, nki 0.3.0" in result.detail
+    assert "torchtitan 0.3.0 from " in result.detail
+
+
+@pytest.mark.parametrize(
+    ("change", "python", "named"),
+    [
+        ({"torch": "2.14.1"}, (3, 12, 1), "torch 2.14.1 (documented: 2.14.0*)"),
+        ({"torch-neuronx": "2.13.3.0"}, (3, 12, 1), "torch-neuronx 2.13.3.0"),
+        ({"nki": None}, (3, 12, 1), "nki missing"),
+        ({}, (3, 11, 7), "Python 3.11.7 (Neuron wheels: 3.12-3.14)"),
+        ({"torchtitan": "0.2.2+neuron.1"}, (3, 12, 1), "aws-neuron/torchtitan-neuron"),
+    ],
+)
+def test_a_stack_off_the_documented_pairs_fails_naming_it(trn2_plan, change, python, named):
+    versions = {**DOCUMENTED, **change}
+    result = check_neuron_stack(
+        trn2_plan, on_neuron_host=True, version_of=versions.get, python=python
+    )
+    assert result.status == "fail" and named in result.detail
+
+
+def test_the_stack_is_only_reported_off_a_neuron_host(trn2_plan):
+    result = check_neuron_stack(trn2_plan, on_neuron_host=False, version_of={}.get)
+    assert result.status == "skip" and "torch-neuronx missing" in result.detail
+
+
+def test_the_versions_file_is_the_documented_matrix():
+    assert neuron_sdk.python_supported((3, 12, 1)) and neuron_sdk.python_supported((3, 14, 0))
+    assert not neuron_sdk.python_supported((3, 11, 7))
+    assert all(neuron_sdk.is_protected(n) for n in ("torch", "Torch_Neuronx", "nvidia-nccl-cu13"))
+    assert not neuron_sdk.is_protected("torchtitan")
+
+
+@pytest.mark.parametrize("recipe", TRN2_RECIPES)
+def test_every_trn2_recipe_reads_its_dataset_on_the_host_offline(recipe):
+    result = check_dataset(resolve_plan(recipe))
+    assert result.status == "pass", result.detail
+    assert result.figures["first_batch"][-1] == resolve_plan(recipe).seq_len
+
+
+@pytest.mark.parametrize("dataset", ["c4_test", "allenai/c4"])
+def test_data_that_is_not_on_the_host_fails_offline(dataset):
+    plan = resolve_plan("qwen3_4b_hf", extra_overrides=["--dataloader.dataset", dataset])
+    result = check_dataset(plan)
+    assert result.status == "fail" and "64 ranks" in result.detail and dataset in result.detail
+
+
+def efa_sysfs(root: Path, drivers: dict[str, str]) -> Path:
+    """A stand-in /sys/class/infiniband: device -> its driver (a symlink, as sysfs has it)."""
+    for device, driver in drivers.items():
+        (root / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+        (root / "class" / device / "device").mkdir(parents=True)
+        (root / "class" / device / "device" / "driver").symlink_to(root / "drivers" / driver)
+    return root / "class"
+
+
+def test_efa_is_checked_on_a_multi_node_plan(tmp_path):
+    plan = resolve_plan("qwen3_4b_native", nodes=2, rdzv_endpoint="node0:29500")
+    sysfs = efa_sysfs(tmp_path, {"rdmap16s27": "efa", "rdmap32s27": "efa", "mlx5_0": "mlx5_core"})
+    assert efa_devices(sysfs) == ["rdmap16s27", "rdmap32s27"]
+
+    good = check_efa(plan, on_target_host=True, root=sysfs, endpoints=lambda: 2)
+    assert good.status == "pass" and "2 EFA device(s)" in good.detail and "2 RDM" in good.detail
+    none = check_efa(plan, on_target_host=True, root=tmp_path / "absent", endpoints=lambda: None)
+    assert none.status == "fail" and "2-node run needs EFA on every node" in none.detail
+    zero = check_efa(plan, on_target_host=True, root=sysfs, endpoints=lambda: 0)
+    assert zero.status == "fail"
+    one_node = check_efa(resolve_plan("qwen3_4b_native"), on_target_host=True, root=sysfs)
+    assert one_node.status == "skip"
+
+
+def test_fi_info_endpoints_are_counted():
+    listing = "provider: efa\n    fabric: efa\nprovider: efa\n    fabric: efa-direct\n"
+    done = subprocess.CompletedProcess([], 0, stdout=listing)
+    seen = []
+    count = fi_info_endpoints(lambda argv: seen.append(argv) or done, path="/opt/fi_info")
+    assert count == 2 and seen == [["/opt/fi_info", "-p", "efa", "-t", "FI_EP_RDM"]]
+    failed = subprocess.CompletedProcess([], 1, stdout="")
+    assert fi_info_endpoints(lambda argv: failed, path="/opt/fi_info") == 0
+
+
+def test_the_missing_weights_line_names_the_hub_model_and_the_command(tmp_path):
+    plan = resolve_plan("qwen3_4b_hf")
+    result = check_weights(plan, tmp_path / "absent")
+    assert result.status == "fail"
+    assert "Qwen/Qwen3-4B-Instruct-2507" in result.detail
+    assert "`qwentitan-launch fetch --recipe qwen3_4b_hf`" in result.detail
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> Path:
+    """A Hugging Face Hub cache holding one snapshot of `repo`, laid out as huggingface_hub
+    writes it (blobs, a snapshot of links to them, refs/main naming the commit)."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(COMMIT)
+    for name, data in files.items():
+        blob = folder / "blobs" / f"blob-{len(data)}-{abs(hash(name))}"
+        blob.parent.mkdir(exist_ok=True)
+        blob.write_bytes(data)
+        link = folder / "snapshots" / COMMIT / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return root
+
+
+def fetch(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-m", "qwentitan.launch.launcher.cli", "fetch", *args],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+
+
+def test_fetch_puts_the_hub_snapshot_in_the_recipe_folder_offline(tmp_path):
+    files = {"config.json": b'{"model_type": "qwen3"}', "tokenizer.json": b"{}",
+             "model.safetensors": b"\x00" * 64}  # fmt: skip
+    cache = hub_cache(tmp_path / "hub", "Qwen/Qwen3-4B-Instruct-2507", files)
+    target = tmp_path / "assets" / "Qwen3-4B-Instruct-2507"
+
+    done = fetch("--recipe", "qwen3_4b_hf", "--dir", str(target), cache=cache)
+
+    assert done.returncode == 0, done.stderr
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == files
+    assert not any(p.is_symlink() for p in target.iterdir())
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary left
+
+
+def test_fetch_without_the_model_in_an_offline_cache_is_one_sentence(tmp_path):
+    target = tmp_path / "model"
+    done = fetch("--recipe", "qwen3_moe_kernels", "--dir", str(target), cache=tmp_path / "hub")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and "Qwen/Qwen3-30B-A3B" in done.stderr
+    assert not target.exists()
