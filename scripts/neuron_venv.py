@@ -50,7 +50,8 @@ for name in names:
     record = dist.read_text("RECORD") or ""
     found[name] = {{"version": dist.version,
                     "record": hashlib.sha256(record.encode()).hexdigest()}}
-print(json.dumps({{"python": list(sys.version_info[:3]), "packages": found}}))
+every = {{d.metadata["Name"].lower().replace("_", "-"): d.version for d in md.distributions()}}
+print(json.dumps({{"python": list(sys.version_info[:3]), "packages": found, "all": every}}))
 """
 
 
@@ -167,11 +168,16 @@ def install(venv: Path) -> dict:
             f"The install changed {', '.join(sorted(changed))} in {venv}; reinstall the Neuron "
             "SDK packages there and report this."
         )
+    was, now = before["all"], after["all"]
     return {
         "venv": str(venv),
         "found": describe(after),
         "qwentitan_wheels": len(wheels),
         "pinned": len(pins),
+        "added": sorted(set(now) - set(was)),
+        "replaced": sorted(
+            f"{n} {was[n]} -> {now[n]}" for n in set(was) & set(now) if was[n] != now[n]
+        ),
         "seconds": round(time.perf_counter() - start, 1),
     }
 
@@ -198,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("neuron venv: interrupted (Ctrl-C); run it again.", file=sys.stderr)
         return 2
+    replaced = ", ".join(done["replaced"]) or "none"
     print(
         f"neuron venv: installed the {done['qwentitan_wheels']} qwentitan wheels and "
         f"{done['pinned']} pinned dependencies (--no-deps, torch's tree pruned) in "
-        f"{done['seconds']} s; untouched: {done['found']}",
+        f"{done['seconds']} s: {len(done['added'])} distributions added, versions changed: "
+        f"{replaced}; untouched: {done['found']}",
         flush=True,
     )
     return 0
