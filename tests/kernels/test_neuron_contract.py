@@ -102,7 +102,9 @@ def test_the_route_follows_the_installed_torch_neuronx_and_is_logged(
     assert nki_loader.launch_route() == route
     q, k, cache = torch.randn(2, 256, 4, 16), torch.randn(2, 256, 2, 16), rope_cache(300, 16)
     with caplog.at_level("INFO", logger="qwentitan.kernels"):
-        for got, want in zip(rope_nki(q, k, cache, False), rope_reference(q, k, cache), strict=True):
+        for got, want in zip(
+            rope_nki(q, k, cache, False), rope_reference(q, k, cache), strict=True
+        ):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert len(neuron["rope_hf"].calls) == 1
     assert f"NKI kernel rope_hf launched through {route} at LNC 2" in caplog.text
@@ -222,3 +224,25 @@ def test_a_library_without_the_moe_kernels_is_refused_naming_the_minimum_version
     with pytest.raises(KernelError, match=r"nki-library 2\.28") as refused:
         nki_loader.load_kernel("moe_blockwise_bwd")
     assert ". " not in str(refused.value), "one sentence"
+
+
+def test_rope_takes_one_table_per_sample_in_one_launch(neuron):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 256, 4, 16), torch.randn(2, 256, 2, 16)
+    tables = torch.stack([rope_cache(300, 16), rope_cache(300, 16).roll(7, 0)])
+    got = rope_nki(q, k, tables, False)
+    for b in range(2):
+        want = rope_reference(q[b : b + 1], k[b : b + 1], tables[b])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g[b : b + 1], w, rtol=1e-6, atol=1e-6)
+    (call,) = neuron["rope_hf"].calls
+    assert call["rope_cache"].shape == (2, 300, 32), "rope_hf's [batch, seq, 2 * head_dim] form"
+
+
+def test_the_replacement_log_names_the_route(neuron, caplog):
+    from qwentitan.kernels import ReplacementRule, apply_replacements
+
+    rule = ReplacementRule("rope", lambda c: "kernel", "nki_rope", op="rope", use_nki=True)
+    with caplog.at_level("INFO", logger="qwentitan.kernels"):
+        apply_replacements({"rope": "torchtitan"}, [rule])
+    assert "nki_rope  rope  (nki.jit on neuron, reference twin elsewhere)" in caplog.text

@@ -32,8 +32,6 @@ from typing import Any
 
 import torch
 
-from . import language
-
 _state = threading.local()
 
 
@@ -100,7 +98,9 @@ class JitKernel:
                 f"{self.__name__} was called directly with torch tensors, but this torch-neuronx "
                 "launches NKI kernels only through torch_neuronx.wrap_nki(kernel)[grid](...)"
             )
-        kernel_lnc = self.grid[0] if self.grid else int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"))
+        kernel_lnc = (
+            self.grid[0] if self.grid else int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1"))
+        )
         if kernel_lnc != _compiler_lnc():
             raise NKIError(
                 f"NCC_EVRF066: NKI kernel '{self.__name__}' is configured with LNC={kernel_lnc}, "

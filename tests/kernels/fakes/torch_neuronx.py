@@ -43,8 +43,7 @@ class NKIHOPCaller:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         given = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
         merged = {
-            name: given[name] if name in given else self.defaults[name]
-            for name in self.arg_names
+            name: given[name] if name in given else self.defaults[name] for name in self.arg_names
         }
         for name, value in merged.items():
             nki.constant_key(value, name)

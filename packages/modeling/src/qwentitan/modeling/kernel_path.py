@@ -204,6 +204,7 @@ def _replace_experts(
     return KernelGroupedExperts.Config(**_fields(config), block_size=block_size, use_nki=use_nki)
 
 
+_OPS = {"rope": "rope", "attention": "causal_attention", "experts": "grouped_experts"}
 _PATTERNS = {
     "rope": "layers.*.attention.rope",
     "attention": "layers.*.attention.inner_attention",
@@ -236,6 +237,8 @@ def default_rules(block_size: int = 256, choices: Any = None) -> list:
                 _PATTERNS[kernel],
                 lambda config, fn=replace[kernel], use_nki=use_nki: fn(config, use_nki),
                 f"{choice}_{kernel}",
+                op=_OPS[kernel],
+                use_nki=use_nki,
             )
         )
     return rules
