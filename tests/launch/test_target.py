@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.platforms import get_platform
-from qwentitan.launch.target import (
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.target import (
     GIB,
     LNC_ENV,
     TARGETS,
@@ -16,7 +15,8 @@ from qwentitan.launch.target import (
     get_target,
     runtime_lnc,
 )
-from qwentitan.launch.topology import INSTANCES, get_topology
+from qwentitan.launch.base.topology import INSTANCES, get_topology
+from qwentitan.launch.runtime.platforms import get_platform
 from qwentitan.launch.tracking.context import logical_core_config
 from qwentitan.launch.tracking.cost import hourly_price
 
