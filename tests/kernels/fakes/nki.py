@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from . import language  # noqa: F401  (`import nki.language` reads it as an attribute)
+
 _state = threading.local()
 
 
