@@ -79,18 +79,20 @@ class JitKernel:
         self.mode = mode
         self.grid = grid
         self.__name__ = func.__name__
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[dict[str, Any]] = []  # launches
+        self.nested_calls: list[dict[str, Any]] = []  # calls inside another kernel's trace
 
     def __getitem__(self, lnc: int) -> JitKernel:
         # The bracket LNC (being deprecated, EVRF066) takes one int.
         copy = JitKernel(self.func, self.mode, (int(lnc),))
-        copy.calls = self.calls
+        copy.calls, copy.nested_calls = self.calls, self.nested_calls
         return copy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arguments = self.sign.bind(*args, **kwargs)
         arguments.apply_defaults()
         if _tracing() is not None:  # nested: runs inside the caller's trace
+            self.nested_calls.append(dict(arguments.arguments))
             return self.func(**arguments.arguments)
         if not any(isinstance(a, torch.Tensor) for a in arguments.arguments.values()):
             raise NKIError(f"{self.__name__}: the fake nki runs kernels on torch tensors only")
