@@ -168,14 +168,17 @@ def train_trn2(session: nox.Session) -> None:
     On a trn2 host (`--neuron-venv DIR`, default the Neuron DLAMI's venv when it exists) it first
     installs qwentitan into DIR, never touching its torch, torch-neuronx, neuronx-cc or nki
     (scripts/neuron_venv.py), then runs `qwentitan-launch run` with DIR's Python; `--dry-run`
-    installs too and prints the plan, `--install-only` stops after the install. Without a Neuron venv it prints the plan from this
-    workspace's environment and fails with one sentence (the CLI exits 2) unless `--dry-run`.
+    installs too and prints the plan, `--install-only` stops after the install. Without a Neuron
+    venv it prints the plan from this workspace's environment and fails with one sentence (the
+    CLI exits 2) unless `--dry-run`.
     Untested on Trainium: nothing in this repository has run there.
     """
     args = list(session.posargs)
     if not any(a == "--instance" or a.startswith("--instance=") for a in args):
         args += ["--instance", "trn2.48xlarge"]
     venv, args = _neuron_venv(args)
+    if venv is None and "--install-only" in args:
+        session.error("--install-only installs into a Neuron venv; pass --neuron-venv DIR.")
     if venv is None:
         _sync(session, "--all-packages")
         session.run("qwentitan-launch", "run", *args)
@@ -192,7 +195,9 @@ def train_trn2(session: nox.Session) -> None:
 def _neuron_venv(args: list[str]) -> tuple[str | None, list[str]]:
     """`--neuron-venv DIR` taken out of the arguments, else the DLAMI's venv when it exists."""
     for i, arg in enumerate(args):
-        if arg == "--neuron-venv" and i + 1 < len(args):
+        if arg == "--neuron-venv":
+            if i + 1 == len(args):
+                raise SystemExit("train_trn2: --neuron-venv needs the venv's folder.")
             return args[i + 1], args[:i] + args[i + 2 :]
         if arg.startswith("--neuron-venv="):
             return arg.split("=", 1)[1], args[:i] + args[i + 1 :]
