@@ -173,10 +173,9 @@ def train_trn2(session: nox.Session) -> None:
     CLI exits 2) unless `--dry-run`.
     Untested on Trainium: nothing in this repository has run there.
     """
-    args = list(session.posargs)
+    venv, args = _neuron_venv(list(session.posargs))
     if not any(a == "--instance" or a.startswith("--instance=") for a in args):
         args += ["--instance", "trn2.48xlarge"]
-    venv, args = _neuron_venv(args)
     if venv is None and "--install-only" in args:
         session.error("--install-only installs into a Neuron venv; pass --neuron-venv DIR.")
     if venv is None:
@@ -196,7 +195,7 @@ def _neuron_venv(args: list[str]) -> tuple[str | None, list[str]]:
     """`--neuron-venv DIR` taken out of the arguments, else the DLAMI's venv when it exists."""
     for i, arg in enumerate(args):
         if arg == "--neuron-venv":
-            if i + 1 == len(args):
+            if i + 1 == len(args) or args[i + 1].startswith("-"):
                 raise SystemExit("train_trn2: --neuron-venv needs the venv's folder.")
             return args[i + 1], args[:i] + args[i + 2 :]
         if arg.startswith("--neuron-venv="):
