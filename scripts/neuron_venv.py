@@ -168,6 +168,14 @@ def install(venv: Path) -> dict:
             f"The install changed {', '.join(sorted(changed))} in {venv}; reinstall the Neuron "
             "SDK packages there and report this."
         )
+    # What the venv's own packages declare (torch-neuronx's requirements among them) against
+    # the pins just installed: reported, since only a trn2 host holds the real Neuron wheels.
+    check = subprocess.run(
+        ["uv", "pip", "check", "--python", str(python)], capture_output=True, text=True, cwd=ROOT
+    )
+    if check.returncode != 0:
+        conflicts = [line.strip() for line in check.stdout.splitlines() if line.strip()]
+        print("neuron venv: warning, uv pip check: " + "; ".join(conflicts[-8:]), flush=True)
     was, now = before["all"], after["all"]
     return {
         "venv": str(venv),
