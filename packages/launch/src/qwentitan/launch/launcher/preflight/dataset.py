@@ -19,6 +19,8 @@ from qwentitan.launch.launcher.preflight.report import CheckResult
 # Measured on the offline corpus with Qwen3's tokenizer (1,535,872 bytes -> 336,957 tokens);
 # used only to say about how many times a run goes over local data.
 BYTES_PER_TOKEN = 4.5
+# Above this many passes over local data the check says to bring more (it still passes).
+REPEATS_NOTED = 10
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
@@ -115,6 +117,7 @@ def check_dataset(plan: LaunchPlan) -> CheckResult:
         "pass",
         f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB on this host; {read}; the "
         f"run reads {needed / 1e6:.1f}M tokens ({plan.steps} steps x {plan.global_batch} x "
-        f"{plan.seq_len}), about {passes:.1f} passes over it",
+        f"{plan.seq_len}), about {passes:.1f} passes over it"
+        + ("; for a run this long put more text on the host" if passes > REPEATS_NOTED else ""),
         figures,
     )
