@@ -138,3 +138,15 @@ def test_ctrl_c_before_the_ranks_start_is_one_sentence_and_leaves_no_folder(
     monkeypatch.setattr(run_folder, "check_free_disk", interrupted)
     assert refused(capsys) == "interrupted (Ctrl-C); run it again."
     assert not (tmp_path / "outputs" / "tiny_dense").exists() and not launched
+
+
+def test_a_dataset_too_small_for_the_run_is_refused_before_any_rank(capsys, launched, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"text": "' + "a long single document " * 1000 + '"}\n')
+    run_dir = tmp_path / "run"
+    message = refused(capsys, "--ranks", "1", "--dataset", str(data), "--run-dir", str(run_dir))
+    assert message.startswith(f"Dataset {data} holds 1 document(s) but this run needs at least 20")
+    assert not launched and not run_dir.exists()
+    # Without validation one document feeds one rank.
+    argv = ["--ranks", "1", "--dataset", str(data), "--run-dir", str(run_dir)]
+    assert cli.main(["train", *argv, "--", "--validator.no-enable"]) == 0 and launched

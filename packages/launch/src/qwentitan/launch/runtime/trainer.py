@@ -177,6 +177,9 @@ class Trainer(torchtitan_trainer.Trainer):
             # The manager is built from the recipe's own config (any checkpointer class), so its
             # save is wrapped here rather than subclassed in every recipe.
             self.checkpointer.save = guard_saves(self.checkpointer.save, self.checkpointer.folder)
+        validator = getattr(self, "validator", None)
+        if validator is not None and getattr(validator, "validate", None) is not None:
+            validator.validate = self._unless_stopping(validator.validate)
         if self.platform.backend == "gloo":
             force_sum_reduction(self.model_parts)
         if self.platform.peak_flops is not None:
@@ -187,6 +190,18 @@ class Trainer(torchtitan_trainer.Trainer):
             # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.
             self.metrics_processor.has_quantization = True
             logger.info(f"MFU: n/a on {self.platform.name} (no published peak FLOP/s).")
+
+    def _unless_stopping(self, validate: Callable[..., Any]) -> Callable[..., Any]:
+        """`validate` skipped when a stop signal is pending on any rank, so the checkpoint at
+        the step boundary right after it comes first (on a spot or SLURM grace period)."""
+
+        def guarded(model_parts: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+            if self.preemption.stop_requested(self.device) is None:
+                return validate(model_parts, step, *args, **kwargs)
+            logger.info(f"Validation of step {step} skipped: a stop signal is pending.")
+            return None
+
+        return guarded
 
     def train_step(self, data_iterator) -> None:
         if self.first_step_done:

@@ -116,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
         )
     seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
     platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
-    if args.dataset not in (None, OFFLINE):
-        check_dataset(resolve_dataset(args.dataset))
     if args.tokenizer is not None:
         check_tokenizer_folder(args.tokenizer)
 
@@ -148,6 +146,14 @@ def run(args: argparse.Namespace) -> int:
         extra_overrides=[*_train_overrides(args), *args.overrides],
         resume="latest" if args.resume else "fresh",
     )
+    if args.dataset not in (None, OFFLINE):
+        validator = plan.config.validator
+        check_dataset(
+            resolve_dataset(args.dataset),
+            data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
+            holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
+            validating=bool(validator.enable),
+        )
     check_checkpoints(
         plan,
         folder_flag="--run-dir",
