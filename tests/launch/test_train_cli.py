@@ -2,6 +2,7 @@
 sentence (exit code 2) before starting ranks, never deleting an earlier run's checkpoints."""
 
 import json
+import os
 import re
 import sys
 
@@ -150,3 +151,46 @@ def test_a_dataset_too_small_for_the_run_is_refused_before_any_rank(capsys, laun
     # Without validation one document feeds one rank.
     argv = ["--ranks", "1", "--dataset", str(data), "--run-dir", str(run_dir)]
     assert cli.main(["train", *argv, "--", "--validator.no-enable"]) == 0 and launched
+
+
+def test_a_second_run_into_a_busy_run_folder_is_refused_naming_the_first(
+    capsys, launched, tmp_path
+):
+    from qwentitan.launch.launcher.run_folder import hold_run_folder
+
+    run_dir = tmp_path.resolve() / "run"
+    with hold_run_folder(run_dir, folder_flag="--run-dir"):  # as the first run's launcher does
+        for resume in ([], ["--resume"]):
+            message = refused(capsys, "--run-dir", str(run_dir), *resume)
+            assert re.fullmatch(
+                rf"Run folder {run_dir} is in use by another run \(pid {os.getpid()}, started "
+                r"[0-9-]+ [0-9:]+ UTC\); wait for it to end, or pass another --run-dir\.",
+                message,
+            ), message
+    assert not launched
+    assert cli.main(["train", "--run-dir", str(run_dir)]) == 0 and launched  # free again
+
+
+def test_a_run_dir_that_is_a_file_or_read_only_is_one_sentence(capsys, launched, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("not a folder")
+    message = refused(capsys, "--run-dir", str(file))
+    assert message == f"Run folder {file} is not a folder; pass another --run-dir."
+    message = refused(capsys, "--run-dir", str(file / "run"))
+    assert message.startswith(f"Run folder {file / 'run'} is inside {file}, which is not a folder")
+    if os.geteuid() != 0:  # root writes into read-only folders
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        message = refused(capsys, "--run-dir", str(locked / "run"))
+        assert message.startswith(f"Run folder {locked / 'run'} cannot be written ({locked} is")
+    assert not launched and file.read_text() == "not a folder"
+
+
+def test_a_latest_link_that_loops_is_one_sentence(capsys, launched, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    latest = tmp_path / "outputs" / "tiny_dense" / "latest"
+    latest.parent.mkdir(parents=True)
+    latest.symlink_to("latest")
+    message = refused(capsys, "--resume")
+    assert message.startswith("outputs/tiny_dense/latest is a symbolic link that never reaches")
+    assert not launched

@@ -90,9 +90,12 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.launcher.run_folder import (
         check_checkpoints,
         check_free_disk,
+        check_run_folder,
+        hold_run_folder,
         latest_run_folder,
         new_run_folder,
         point_latest,
+        resolved,
     )
     from qwentitan.launch.runtime.data import (
         OFFLINE,
@@ -131,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         run_dir = new_run_folder(base)
-    run_dir = run_dir.resolve()
+    run_dir = resolved(run_dir, folder_flag="--run-dir")
+    check_run_folder(run_dir, folder_flag="--run-dir")
 
     plan = resolve_plan(
         args.recipe,
@@ -172,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.time()
-    code = supervise(plan.launch_argv(), rank_env(plan))
+    with hold_run_folder(run_dir, folder_flag="--run-dir"):
+        code = supervise(plan.launch_argv(), rank_env(plan))
     summary = _summary_block(
         run_dir, plan.checkpoint_folder if plan.config.checkpoint.enable else None, started
     )
