@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -198,7 +199,25 @@ def _truncated_metadata(step: Path) -> str:
     return f"{metadata} is truncated or damaged ("
 
 
-@pytest.mark.parametrize("damage", [_missing_data, _truncated_data, _truncated_metadata])
+class _Payload:
+    """A pickle whose loading would create a marker file: what a hostile `.metadata` holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _pickled_code(step: Path) -> str:
+    marker = step.parent.parent.parent / "ran"
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    return f"{step / '.metadata'} is not a checkpoint's metadata (it names posix.system, "
+
+
+@pytest.mark.parametrize(
+    "damage", [_missing_data, _truncated_data, _truncated_metadata, _pickled_code]
+)
 def test_a_damaged_checkpoint_is_named_before_resuming(capsys, in_tmp, damage):
     step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-2", SMALL)
     what = damage(step)
@@ -207,7 +226,8 @@ def test_a_damaged_checkpoint_is_named_before_resuming(capsys, in_tmp, damage):
     message = refusal(capsys, argv)
     assert message.startswith(f"The checkpoint to resume is damaged: {what}")
     assert message.endswith("; pass another --run-dir to start fresh.")
-    assert snapshot(in_tmp) == before  # nothing removed, nothing written
+    assert snapshot(in_tmp) == before  # nothing removed, nothing written, no code run
+    assert not (in_tmp / "ran").exists()
 
 
 def test_another_recipes_checkpoint_is_named(capsys, in_tmp):

@@ -5,28 +5,83 @@ and, when that folder is damaged, every rank dies deep in `dcp.load` with a bare
 `check_resumable` reads the same folder first and refuses it in one sentence naming the file
 and what is wrong: a `.metadata` that does not unpickle, a `.distcp` data file that is missing
 or shorter than the byte ranges the metadata points into, or tensors of another model.
+
+A `.metadata` is a pickle, and torch's `FileSystemReader.read_metadata` unpickles it with
+`pickle.load`, which runs whatever code the file names. The check reads it first with an
+allow-list unpickler (`read_metadata`: only the classes torch DCP writes, as
+`torch.load(weights_only=True)` does for tensors) and refuses any other file before a rank
+starts, so `train --resume` and `run` never hand torchtitan a `.metadata` that was not checked.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import meta_model
 
-__all__ = ["check_resumable", "saved_steps", "state_shapes"]
+__all__ = ["UnsafeMetadata", "check_resumable", "read_metadata", "saved_steps", "state_shapes"]
 
 _STEP_FOLDER = re.compile(r"step-(\d+)")
 METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"  # torchtitan also resumes from an HF model-only save
 
 Shapes = Mapping[str, tuple[int, ...]]
+
+
+class UnsafeMetadata(pickle.UnpicklingError):
+    """A `.metadata` naming something other than torch DCP's metadata classes."""
+
+
+# What torch DCP's `.metadata` pickles name (torch 2.x: the metadata dataclasses, the storage
+# info of FileSystemWriter, torch.Size, dtypes and layouts, the checkpoint id's path).
+_ALLOWED = {
+    dcp_metadata.__name__: {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    dcp_filesystem.__name__: {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return getattr(torch, name)
+        raise UnsafeMetadata(f"it names {module}.{name}, which DCP metadata never holds")
+
+
+def read_metadata(step: Path) -> Metadata:
+    """The DCP metadata of `step`, unpickled with only DCP's own classes allowed; raises
+    `UnsafeMetadata` for anything else, and what pickle raises for a damaged file."""
+    data = (step / METADATA).read_bytes()
+    metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeMetadata(f"it holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
 
 
 def saved_steps(folder: Path) -> list[int]:
@@ -92,7 +147,9 @@ def _damage(step: Path) -> str | None:
     if not (step / METADATA).is_file():
         return None  # an HF model-only save: torchtitan reads it with its own checks
     try:
-        metadata = FileSystemReader(str(step)).read_metadata()
+        metadata = read_metadata(step)
+    except UnsafeMetadata as error:
+        return f"{step / METADATA} is not a checkpoint's metadata ({error}; it was not run)"
     except Exception as error:  # a truncated pickle raises EOFError, garbage UnpicklingError, ...
         return f"{step / METADATA} is truncated or damaged ({type(error).__name__})"
     needed: dict[str, int] = {}
@@ -112,7 +169,7 @@ def _mismatch(step: Path, model: Shapes) -> str | None:
     """How the (readable) checkpoint in `step` differs from `model`, or None."""
     if not (step / METADATA).is_file():
         return None
-    metadata = FileSystemReader(str(step)).read_metadata()
+    metadata = read_metadata(step)
     saved = {
         fqn: tuple(md.size)
         for fqn, md in metadata.state_dict_metadata.items()
