@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from qwentitan.launch.base.errors import LaunchError
@@ -67,11 +67,13 @@ class Spool:
 def load_spool(path: Path) -> Spool:
     """Every whole, well-formed record of a spool; damaged lines are skipped and counted.
 
-    A torn last line (no newline: the process died mid-write) is left out without counting it:
-    nothing of it was ever sent. The first line must be the run record, which names the run.
+    A torn last line (no newline: the process died mid-write) is counted as damaged too, so
+    sync-mlflow says it was left out. The first line must be the run record, which names the
+    run.
     """
     lines = path.read_bytes().split(b"\n")
-    lines.pop()  # after the last newline: empty, or a torn line
+    if not lines[-1]:
+        lines.pop()  # after the last newline
     records: list[dict[str, Any]] = []
     damaged: list[int] = []
     for number, line in enumerate(lines, start=1):
@@ -106,7 +108,55 @@ def _record(line: bytes) -> dict[str, Any] | None:
         return None
     if any(not isinstance(record[name], dict) for name in _MAPPINGS if name in fields):
         return None
-    return record
+    return record if _sound(record) else None
+
+
+_STATUSES = ("FINISHED", "FAILED", "KILLED", "RUNNING", "SCHEDULED")
+_INT64 = 2**63
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float)
+
+
+def _inside(path: Any) -> bool:
+    """A relative path that stays inside the folder it is relative to (lexically)."""
+    return (
+        isinstance(path, str)
+        and "\x00" not in path
+        and not PurePosixPath(path).is_absolute()
+        and ".." not in PurePosixPath(path).parts
+    )
+
+
+def _sound(record: dict[str, Any]) -> bool:
+    """Whether the record's values are what MLflow can take and the writer writes: a value that
+    is not is the spool's fault, and is reported as such (not as the store refusing it)."""
+    kind = record["kind"]
+    if kind == "run":
+        return isinstance(record["run_key"], str) and isinstance(record["experiment"], str)
+    if kind == "metrics":
+        step, time_ms = record["step"], record["time_ms"]
+        return (
+            isinstance(step, int)
+            and not isinstance(step, bool)
+            and 0 <= step < _INT64
+            and isinstance(time_ms, int)
+            and 0 <= time_ms < _INT64
+            and all(isinstance(k, str) and _number(v) for k, v in record["values"].items())
+        )
+    if kind in ("params", "tags"):
+        return all(_scalar(v) for v in record[kind].values())
+    if kind == "artifact":
+        # Only files of the run folder are uploaded: never an absolute path or a `..` escape.
+        return _inside(record["file"]) and record["file"] != "" and _inside(record["artifact_path"])
+    if kind == "end":
+        return record["status"] in _STATUSES
+    return True
 
 
 def find_spools(run_dir: Path) -> list[Path]:
