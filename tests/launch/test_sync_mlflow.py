@@ -219,7 +219,7 @@ def test_two_syncs_at_once_into_a_new_sqlite_store(tmp_path):
         for run in runs
     ]
     for sync in syncs:
-        out, err = sync.communicate(timeout=300)
+        _out, err = sync.communicate(timeout=300)
         assert sync.returncode == 0 and "Traceback" not in err, err
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("qwentitan-test").experiment_id
