@@ -120,7 +120,7 @@ def test_too_little_disk_for_the_planned_checkpoints_is_refused(
     with small_tmpfs(tmp_path / "small", "8m") as small:
         message = refused(capsys, "--run-dir", str(small / "run"))
         assert re.fullmatch(
-            rf"{small} has 8\.0 MiB free but this run's checkpoints need about [0-9.]+ MiB; "
+            rf"{small} has 8\.39 MB free but this needs about [0-9.]+ MB; "
             r"free space there or pass another --run-dir\.",
             message,
         ), message
@@ -194,3 +194,12 @@ def test_a_latest_link_that_loops_is_one_sentence(capsys, launched, tmp_path, mo
     message = refused(capsys, "--resume")
     assert message.startswith("outputs/tiny_dense/latest is a symbolic link that never reaches")
     assert not launched
+
+
+def test_free_disk_counts_every_checkpoint_kept_at_once(capsys, launched, tmp_path, small_tmpfs):
+    # 8 steps, a save every 2, two kept: three whole saves of about 150 MiB exist at once.
+    with small_tmpfs(tmp_path / "disk", "420m") as disk:
+        argv = ["--steps", "8", "--run-dir", str(disk / "run"), "--", "--checkpoint.interval", "2"]
+        message = refused(capsys, *argv)
+        assert message.startswith(f"{disk} has 440 MB free but this needs about 4"), message
+        assert not launched

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,23 +172,11 @@ def check_checkpoints(
 
 
 def check_free_disk(plan: LaunchPlan, *, folder_flag: str) -> None:
-    """Refuse a run whose planned checkpoints do not fit on the disk of its run folder."""
+    """Refuse a run whose planned checkpoints (`planned_checkpoint_bytes`: measured against real
+    saves) do not fit on the disk of its run folder, before step 1."""
+    from qwentitan.checkpoint.files import disk_room
     from qwentitan.launch.launcher.preflight.checks import planned_checkpoint_bytes
 
-    probe = plan.checkpoint_folder.expanduser().resolve()
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    need = planned_checkpoint_bytes(plan)
-    if free < need:
-        raise LaunchError(
-            f"{probe} has {_size(free)} free but this run's checkpoints need about {_size(need)}; "
-            f"free space there or pass another {folder_flag}."
-        )
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count / 2**10:.1f} KiB"
+    room = disk_room(plan.checkpoint_folder, planned_checkpoint_bytes(plan))
+    if not room.enough:
+        raise LaunchError(room.shortage(f"free space there or pass another {folder_flag}"))
