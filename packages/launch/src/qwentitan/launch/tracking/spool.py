@@ -8,40 +8,99 @@ sequence number `seq`; kinds: `run` (identity, first line), `params`, `tags`, `m
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TextIO
 
 from qwentitan.launch.base.errors import LaunchError
+
+log = logging.getLogger(__name__)
 
 # Spools live in RUN_DIR/SPOOL_FOLDER/<run key>.jsonl, one file per training process that logged.
 SPOOL_FOLDER = "mlflow_spool"
 
 
 class SpoolWriter:
-    """Appends records, one flushed line each; safe to call from several threads."""
+    """Appends records, one flushed line each; safe to call from several threads.
+
+    Best-effort, like the MLflow server: a spool that cannot be written (full disk, read-only
+    folder) costs one warning and the spool, never a training step. From then on the records
+    are kept in memory (the newest `KEPT_IN_MEMORY`) for the live writer's catch-up, which
+    reads them through `records()`.
+    """
+
+    KEPT_IN_MEMORY = 10_000
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+        self.failed: OSError | None = None
         self._lock = threading.Lock()
         self._seq = 0
+        self._header: dict[str, Any] | None = None
+        self._memory: deque[dict[str, Any]] = deque(maxlen=self.KEPT_IN_MEMORY)
+        self._file: TextIO | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", encoding="utf-8")
+        except OSError as error:
+            self._lose(error)
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
         with self._lock:
             record = {"kind": kind, "seq": self._seq, **fields}
             self._seq += 1
-            # A line is written whole and flushed, so a crash leaves at most one torn last line.
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._file.flush()
+            if self._header is None:
+                self._header = record
+            if self._file is not None:
+                try:
+                    # A line is written whole and flushed, so a crash leaves at most one torn
+                    # last line.
+                    self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+                    self._file.flush()
+                    return record
+                except OSError as error:
+                    self._lose(error)
+            self._memory.append(record)
         return record
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record written so far that can still be read: the file's, then memory's."""
+        with self._lock:
+            memory = list(self._memory)
+            header = self._header
+        disk: list[dict[str, Any]] = []
+        with contextlib.suppress(OSError, LaunchError):
+            disk = read_spool(self.path)
+        last = disk[-1]["seq"] if disk else -1
+        records = disk + [record for record in memory if record["seq"] > last]
+        if header is not None and (not records or records[0]["kind"] != "run"):
+            records.insert(0, header)
+        return records
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+
+    def _lose(self, error: OSError) -> None:
+        log.warning(
+            "The MLflow spool %s cannot be written (%s); training goes on and MLflow still gets "
+            "each record, but sync-mlflow cannot replay what follows.",
+            self.path,
+            error.strerror or error,
+        )
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        self._file = None
+        self.failed = error
 
 
 # The fields each kind of record needs; a line without them is damaged (see `load_spool`).
