@@ -281,3 +281,33 @@ def test_run_refuses_a_damaged_checkpoint_it_would_resume(capsys, in_tmp, monkey
     assert message.startswith(f"The checkpoint to resume is damaged: {what}")
     assert message.endswith("; pass another --dump-folder to start fresh.")
     assert snapshot(in_tmp) == before
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        (
+            "--partition",
+            "p\nsrun touch /tmp/owned",
+            "--partition 'p\\nsrun touch /tmp/owned' is not",
+        ),
+        ("--time", "abc; rm -rf /", "--time 'abc; rm -rf /' is not a SLURM time"),
+        ("--dump-folder", "out\nrm -rf /", "A value of --dump-folder and the overrides holds"),
+    ],
+)
+def test_a_value_the_script_cannot_carry_is_refused_and_nothing_written(
+    capsys, in_tmp, flag, value, said
+):
+    argv = ["slurm", "--recipe", "tiny_dense", "--nodes", "2", "-o", "job.sbatch", flag, value]
+    assert refusal(capsys, argv).startswith(said)
+    assert os.listdir(in_tmp) == []
+
+
+def test_slurm_output_that_is_a_folder_is_one_sentence_and_leaves_nothing(capsys, in_tmp):
+    folder = in_tmp / "scripts"
+    folder.mkdir()
+    argv = ["slurm", "--recipe", "tiny_dense", "--nodes", "2", "-o", str(folder)]
+    assert refusal(capsys, argv) == (
+        f"{folder} is a folder; pass -o with a file name for the sbatch script."
+    )
+    assert os.listdir(in_tmp) == ["scripts"] and os.listdir(folder) == []
