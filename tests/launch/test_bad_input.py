@@ -311,3 +311,13 @@ def test_slurm_output_that_is_a_folder_is_one_sentence_and_leaves_nothing(capsys
         f"{folder} is a folder; pass -o with a file name for the sbatch script."
     )
     assert os.listdir(in_tmp) == ["scripts"] and os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("endpoint", ["not a host:port", "node-1:99999", "host:port", "a;b:1"])
+def test_a_rendezvous_endpoint_torchrun_cannot_take_is_one_sentence(capsys, in_tmp, endpoint):
+    argv = ["run", "--recipe", "tiny_dense", "--rdzv-endpoint", endpoint, "--dry-run"]
+    assert refusal(capsys, argv) == (
+        f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; pass the first node's host name or "
+        "address and a free port, e.g. node-1:29500."
+    )
+    assert os.listdir(in_tmp) == []

@@ -203,3 +203,12 @@ def test_free_disk_counts_every_checkpoint_kept_at_once(capsys, launched, tmp_pa
         message = refused(capsys, *argv)
         assert message.startswith(f"{disk} has 440 MB free but this needs about 4"), message
         assert not launched
+
+
+def test_a_corrupt_tokenizer_is_one_sentence(capsys, launched, tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ')
+    message = refused(capsys, "--tokenizer", str(folder), "--run-dir", str(tmp_path / "run"))
+    assert message.startswith(f"Tokenizer folder {folder} cannot be loaded (")
+    assert not launched
