@@ -109,6 +109,7 @@ def check_resumable(
     *,
     folder_flag: str = "--run-dir",
     fresh: str = "start fresh without --resume",
+    data_ranks: int | None = None,
 ) -> int:
     """The step torchtitan will resume in `folder`; LaunchError if its checkpoint is unusable.
 
@@ -133,6 +134,15 @@ def check_resumable(
             else fresh
         )
         raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.")
+    saved_ranks = _data_ranks(latest)
+    if data_ranks is not None and saved_ranks and saved_ranks != data_ranks:
+        # torchtitan keeps one data position per data-parallel rank and refuses another count
+        # deep in the load ("dp_degree is inconsistent").
+        raise LaunchError(
+            f"{latest} was saved by {saved_ranks} data-parallel ranks but this run has "
+            f"{data_ranks}; resume it with {saved_ranks} data-parallel ranks (e.g. --ranks "
+            f"{saved_ranks}), or pass another {folder_flag} to start fresh."
+        )
     mismatch = _mismatch(latest, model)
     if mismatch is not None:
         raise LaunchError(
@@ -163,6 +173,14 @@ def _damage(step: Path) -> str | None:
         if (size := file.stat().st_size) < end:
             return f"{file} is truncated ({size} of at least {end} bytes)"
     return None
+
+
+def _data_ranks(step: Path) -> int:
+    """How many data-parallel ranks saved `step` (their data positions), 0 if unknown."""
+    if not (step / METADATA).is_file():
+        return 0
+    keys = read_metadata(step).state_dict_metadata
+    return sum(1 for key in keys if key.startswith("dataloader.dp_rank_"))
 
 
 def _mismatch(step: Path, model: Shapes) -> str | None:
