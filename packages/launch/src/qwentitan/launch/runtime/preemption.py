@@ -113,7 +113,7 @@ def stop_if_overdue(where: str, *, seconds: float = OVERDUE_SECONDS) -> None:
     name = watch.received.name
     os.write(
         2,
-        f"Stopped by {name} while {where}: no step boundary came within {seconds:.0f} s, so this "
+        f"Stopped by {name} while {where}: no step boundary came within {seconds:g} s, so this "
         "step was not saved; --resume continues from the last checkpoint.\n".encode(),
     )
     os._exit(128 + int(watch.received))
