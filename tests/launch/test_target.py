@@ -56,7 +56,7 @@ def test_only_the_target_module_reads_the_lnc_variable():
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Constant) and node.value == LNC_ENV:
                 readers.append(file.relative_to(LAUNCH_SRC).as_posix())
-    assert readers == ["launch/target.py"]
+    assert readers == ["launch/base/target.py"]
 
 
 def test_sequence_rule_is_the_targets_everywhere(monkeypatch):
