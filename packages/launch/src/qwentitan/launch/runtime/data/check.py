@@ -20,12 +20,17 @@ import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO, Protocol
 
 from qwentitan.launch.base.errors import LaunchError
 
-if TYPE_CHECKING:
-    from qwentitan.launch.runtime.data.loader import DataSource
+
+class _Source(Protocol):
+    """What the check reads of a `loader.DataSource` (which imports this module)."""
+
+    name: str
+    files: tuple[str, ...]
+
 
 __all__ = ["check_dataset", "check_json_lines", "minimum_documents", "read_documents"]
 
@@ -52,7 +57,7 @@ def minimum_documents(data_ranks: int, holdout_every: int, *, validating: bool) 
 
 
 def check_dataset(
-    source: DataSource, *, data_ranks: int = 1, holdout_every: int = 20, validating: bool = False
+    source: _Source, *, data_ranks: int = 1, holdout_every: int = 20, validating: bool = False
 ) -> int:
     """Refuse (LaunchError) the first line of a local source that is not a c4-style document,
     or a source with fewer documents than `minimum_documents(...)` (the run's slices would be
