@@ -26,7 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     from qwentitan.launch.tracking.replay import sync_run_dir
+
+    # MLflow's INFO lines (creating a new sqlite store's tables) say nothing a user acts on and
+    # would come before this command's own lines; its warnings and errors still show.
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
 
     try:
         results = sync_run_dir(args.run_dir, args.tracking_uri)
