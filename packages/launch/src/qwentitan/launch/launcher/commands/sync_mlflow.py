@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    import mlflow  # noqa: F401  (importing it configures its loggers, so the level is set after)
+
     from qwentitan.launch.tracking.replay import sync_run_dir
 
     # MLflow's INFO lines (creating a new sqlite store's tables) say nothing a user acts on and
