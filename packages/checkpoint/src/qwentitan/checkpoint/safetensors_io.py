@@ -340,13 +340,12 @@ class ShardedWriter:
         prev_fd, prev_start, prev_size = self.where[previous]
         return fd == prev_fd and start == prev_start + prev_size
 
-    def copy(self, name: str, src: Path, offset: int, nbytes: int, at: int = 0) -> bool:
+    def copy(self, name: str, src: Path, offset: int, nbytes: int, at: int = 0) -> None:
         """Copy `nbytes` from `offset` of file `src` into the shard from byte `at` of `name`'s
-        place on (possibly on into the tensors that follow it in the shard), file to file;
-        False, having written nothing, where the file systems cannot."""
+        place on (possibly on into the tensors that follow it in the shard), in the kernel."""
         fd, start, _ = self.where[name]
         assert start + at + nbytes <= os.fstat(fd).st_size, name
-        return copy_range(src, fd, offset, nbytes, start + at, "re-save it")
+        copy_range(src, fd, offset, nbytes, start + at, "re-save it")
 
     def close(self, sync: bool = True) -> None:
         for fd in self._fds:
