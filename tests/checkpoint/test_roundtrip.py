@@ -259,7 +259,9 @@ def test_to_hf_reads_a_training_checkpoint_saved_one_file_per_rank(make_hf, help
     assert verify(src, tmp_path / "step-7").ok
 
 
-def test_to_hf_copies_from_a_training_checkpoint_one_file_per_rank(make_hf, helpers, tmp_path, monkeypatch):
+def test_to_hf_copies_from_a_training_checkpoint_one_file_per_rank(
+    make_hf, helpers, tmp_path, monkeypatch
+):
     """Records inside one shared file (torchtitan's one file per rank) are located to their data
     bytes and copied, not loaded through DCP."""
     import torch.distributed.checkpoint as dcp

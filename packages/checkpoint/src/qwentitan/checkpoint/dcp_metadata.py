@@ -13,7 +13,6 @@ second, as long as the whole copy of a small model). A test pins it to DCP's own
 from __future__ import annotations
 
 import importlib
-import io
 import pickle
 import struct
 from dataclasses import dataclass
@@ -192,7 +191,9 @@ def dump_metadata(
             "TensorProperties",
             _tuple(
                 _global("torch", dtype),
-                _global("torch.serialization", "_get_layout") + _tuple(_str("torch.strided")) + b"R",
+                _global("torch.serialization", "_get_layout")
+                + _tuple(_str("torch.strided"))
+                + b"R",
                 b"\x89",  # requires_grad
                 _global(_DCP_METADATA, "_MEM_FORMAT_ENCODING") + _tuple(_int(0)) + b"R",
                 b"\x89",  # pin_memory
@@ -298,9 +299,3 @@ def _list(items: list[bytes]) -> bytes:
 def _obj(module: str, name: str, state: bytes) -> bytes:
     # cls.__new__(cls), then BUILD: how pickle stores a dataclass instance.
     return _global(module, name) + b")\x81" + state + b"b"
-
-
-def metadata_bytes(tensors: dict[str, tuple[tuple[int, ...], str, list[StoredChunk]]]) -> bytes:
-    out = io.BytesIO()
-    dump_metadata(tensors, out)
-    return out.getvalue()

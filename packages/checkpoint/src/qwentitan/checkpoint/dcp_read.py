@@ -208,7 +208,9 @@ class DCPFolder:
         for rows in pieces:
             lo, hi = max(rows.start, start), min(rows.stop, stop)
             if lo < hi:
-                out[lo - start : hi - start] = self.load_rows(rows)[lo - rows.start : hi - rows.start]
+                out[lo - start : hi - start] = self.load_rows(rows)[
+                    lo - rows.start : hi - rows.start
+                ]
         return out
 
     def load(self, fqn: str) -> torch.Tensor:
@@ -227,7 +229,11 @@ def _chunk_at(md, index):
     """The chunk a storage entry holds (DCP's index hint, checked against the offsets)."""
     chunks = getattr(md, "chunks", None) or []
     hint = index.index
-    if hint is not None and hint < len(chunks) and tuple(chunks[hint].offsets) == tuple(index.offset):
+    if (
+        hint is not None
+        and hint < len(chunks)
+        and tuple(chunks[hint].offsets) == tuple(index.offset)
+    ):
         return chunks[hint]
     for chunk in chunks:
         if tuple(chunk.offsets) == tuple(index.offset or ()):

@@ -49,9 +49,7 @@ def row_chunks(shape: Shape, dtype: torch.dtype, chunk_bytes: int) -> list[tuple
     return [(start, min(start + step, rows)) for start in range(0, rows, step)] or [(0, 0)]
 
 
-def plan(
-    specs: dict[str, tuple[Shape, torch.dtype]], chunk_bytes: int
-) -> dict[str, list[Piece]]:
+def plan(specs: dict[str, tuple[Shape, torch.dtype]], chunk_bytes: int) -> dict[str, list[Piece]]:
     """Each tensor's pieces, files named as DCP names them (`__0_<n>.distcp`)."""
     pieces: dict[str, list[Piece]] = {}
     n = 0
