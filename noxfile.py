@@ -113,7 +113,7 @@ def pilot(session: nox.Session) -> None:
     `-- --help` lists the rest. Then `uv run nox -s mlflow_ui` and open the URLs it printed.
     """
     _sync(session, "--all-packages")
-    session.run("python", "-m", "qwentitan.launch.tracking.pilot", *session.posargs)
+    session.run("python", "-m", "qwentitan.launch.launcher.pilot", *session.posargs)
 
 
 @nox.session

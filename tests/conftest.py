@@ -53,7 +53,7 @@ def _output_to(path: Path) -> Iterator[None]:
 
 
 def _train(argv: Sequence[str], log: Path) -> tuple[int, str]:
-    from qwentitan.launch import cli
+    from qwentitan.launch.launcher import cli
 
     with _output_to(log):
         code = cli.main(["train", *argv])

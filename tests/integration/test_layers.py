@@ -17,55 +17,28 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kernels", "modeling", "checkpoint", "launch")
 LAUNCH = "qwentitan.launch"
 
-# Each module of qwentitan.launch, by the first rule that matches its dotted name below
-# qwentitan.launch: an exact module, or a package and everything inside it.
-LAUNCH_LAYERS: dict[str, str] = {
-    "": "base",  # the package root: lazy names only
-    "errors": "base",
-    "env_defaults": "base",  # the variables that default config fields; imports only errors
-    # One Target per machine kind: read by the launcher's plan, the ranks' platform and
-    # tracking's price lookup alike, so it sits below all three; imports only errors.
-    "target": "base",
-    # tracking/pilot/ drives `qwentitan-launch train` for each path: a launcher that sits in
-    # tracking/ because it only talks to MLflow besides.
-    "tracking.pilot": "launcher",
-    "tracking": "tracking",
-    # What torchtitan.train imports on every rank, and the machine facts it reads.
-    "recipes": "runtime",
-    "trainer": "runtime",
-    "console": "runtime",  # the ranks' log and warning filters, installed by trainer
-    "data": "runtime",
-    "platforms": "runtime",
-    "neuron_runtime": "runtime",
-    "topology": "runtime",
-    # Known exception: PreemptionWatch runs on every rank and `supervise` in the launcher; the
-    # two share one signal protocol, so the module stays whole. It imports nothing of qwentitan.
-    "preemption": "runtime",
-    # Before torchrun: commands, plans, scripts, checks.
-    "cli": "launcher",
-    "agent": "launcher",
-    "commands": "launcher",
-    "flags": "launcher",
-    "plan": "launcher",
-    "plan_cli": "launcher",
-    "topology_env": "launcher",
-    "environment": "launcher",
-    "memory": "launcher",
-    "resume": "launcher",
-    "slurm": "launcher",
-    "run_folder": "launcher",
-    "preflight": "launcher",
-}
+# The layers of qwentitan.launch are its subpackages: a module's layer is the folder it sits in
+# directly below qwentitan.launch. The package root holds lazy names only and counts as base.
+LAUNCH_LAYER_FOLDERS = ("base", "tracking", "runtime", "recipes", "launcher")
 
 # Which layers (of qwentitan.launch) and which other distributions each layer may import.
 MAY_IMPORT: dict[str, set[str]] = {
     "base": {"base"},
     "tracking": {"base", "tracking"},
     "runtime": {"base", "tracking", "runtime", "qwentitan.modeling", "qwentitan.kernels"},
+    "recipes": {
+        "base",
+        "tracking",
+        "runtime",
+        "recipes",
+        "qwentitan.modeling",
+        "qwentitan.kernels",
+    },
     "launcher": {
         "base",
         "tracking",
         "runtime",
+        "recipes",
         "launcher",
         "qwentitan.modeling",
         "qwentitan.kernels",
@@ -107,12 +80,15 @@ def resolve(name: str, modules: dict[str, Path]) -> str:
 
 def launch_layer(module: str) -> str:
     relative = module.removeprefix(LAUNCH).removeprefix(".")
-    for key, layer in LAUNCH_LAYERS.items():
-        if relative == key or (key and relative.startswith(key + ".")):
-            return layer
-    raise AssertionError(
-        f"{module} has no layer; add it to LAUNCH_LAYERS and to docs/architecture.md"
-    )
+    if not relative:
+        return "base"
+    folder = relative.split(".")[0]
+    if folder not in LAUNCH_LAYER_FOLDERS:
+        raise AssertionError(
+            f"{module} sits in no layer folder; move it into one of {LAUNCH_LAYER_FOLDERS} "
+            "(see docs/architecture.md)"
+        )
+    return folder
 
 
 def launch_graph() -> dict[str, set[str]]:
@@ -227,11 +203,11 @@ def test_each_package_imports_only_what_it_declares_and_the_arrows_allow(package
 def test_the_rules_catch_what_they_forbid():
     # the checks above would pass vacuously if the scanner saw no imports: prove it sees them
     graph = launch_graph()
-    assert "qwentitan.launch.plan" in graph["qwentitan.launch.environment"]
-    assert "qwentitan.launch.platforms" in graph["qwentitan.launch.trainer"]
+    assert "qwentitan.launch.launcher.plan" in graph["qwentitan.launch.launcher.environment"]
+    assert "qwentitan.launch.runtime.platforms" in graph["qwentitan.launch.runtime.trainer"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert launch_layer("qwentitan.launch.tracking.logger") == "tracking"
-    assert launch_layer("qwentitan.launch.tracking.pilot") == "launcher"
+    assert launch_layer("qwentitan.launch.launcher.pilot") == "launcher"
     assert "launcher" not in MAY_IMPORT["runtime"] and "runtime" not in MAY_IMPORT["tracking"]
     assert "qwentitan.launch" not in PACKAGE_MAY_IMPORT["checkpoint"]
 

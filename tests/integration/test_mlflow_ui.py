@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from qwentitan.launch.cli import main as launch_main
-from qwentitan.launch.tracking.pilot import run_pilot, runs_url
+from qwentitan.launch.launcher.cli import main as launch_main
+from qwentitan.launch.launcher.pilot import run_pilot, runs_url
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, read_spool
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from qwentitan.launch.resume import saved_steps
+from qwentitan.launch.launcher.resume import saved_steps
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def launch(args: list[str], log: Path) -> subprocess.Popen:
     """`qwentitan-launch run ARGS` on the CPU platform, output to `log`."""
     env = dict(os.environ, QWENTITAN_PLATFORM="cpu", OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "qwentitan.launch.cli", "run", *args],
+        [sys.executable, "-m", "qwentitan.launch.launcher.cli", "run", *args],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=env,

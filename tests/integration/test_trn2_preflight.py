@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from qwentitan.checkpoint import to_hf
-from qwentitan.launch import cli
+from qwentitan.launch.launcher import cli
 from qwentitan.modeling import flavor_to_hf_config
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ def agent(tmp_path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(body))
     return subprocess.run(
-        [sys.executable, "-m", "qwentitan.launch.agent", "--standalone", "--nproc-per-node=1",
+        [sys.executable, "-m", "qwentitan.launch.launcher.agent", "--standalone", "--nproc-per-node=1",
          str(script)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip

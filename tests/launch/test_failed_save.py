@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from qwentitan.launch.resume import saved_steps
-from qwentitan.launch.trainer import SAVE_FAILED_EXIT, guard_saves
+from qwentitan.launch.launcher.resume import saved_steps
+from qwentitan.launch.runtime.trainer import SAVE_FAILED_EXIT, guard_saves
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose

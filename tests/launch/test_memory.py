@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from qwentitan.launch.memory import ModelShape, estimate_memory
-from qwentitan.launch.plan import resolve_plan
+from qwentitan.launch.launcher.memory import ModelShape, estimate_memory
+from qwentitan.launch.launcher.plan import resolve_plan
 
 MARGIN = 0.35
 
@@ -26,7 +26,7 @@ MEASURE = textwrap.dedent(
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
-    from qwentitan.launch.plan import load_config
+    from qwentitan.launch.launcher.plan import load_config
 
     class PeakTensorBytes(TorchDispatchMode):
         def __init__(self):

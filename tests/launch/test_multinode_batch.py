@@ -6,9 +6,9 @@ import shlex
 
 import pytest
 
-from qwentitan.launch import cli
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.plan import resolve_plan
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher import cli
+from qwentitan.launch.launcher.plan import resolve_plan
 
 
 def accumulation(plan) -> int:

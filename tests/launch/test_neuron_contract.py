@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwentitan.launch.cli import main
-from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.plan import load_config
-from qwentitan.launch.platforms import get_platform
-from qwentitan.launch.topology import get_topology
-from qwentitan.launch.topology_env import plan_env
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.topology import get_topology
+from qwentitan.launch.launcher.cli import main
+from qwentitan.launch.launcher.environment import lnc_in_compiler_flags, merged_env
+from qwentitan.launch.launcher.plan import load_config
+from qwentitan.launch.launcher.topology_env import plan_env
+from qwentitan.launch.runtime.platforms import get_platform
 
 GIB = 1024**3
 TRN2 = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
@@ -139,7 +139,7 @@ def test_trn2_plans_name_no_core_range(recipe, capsys):
 
 
 def test_a_core_range_in_the_shell_is_refused_in_one_sentence():
-    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import resolve_plan
 
     plan = resolve_plan("qwen3_4b_native")
     with pytest.raises(LaunchError, match=r"^NEURON_RT_VISIBLE_CORES=0-63 .* unset it"):
@@ -153,7 +153,7 @@ def test_a_core_range_in_the_shell_is_refused_in_one_sentence():
 
 
 def test_neuron_memory_reads_the_nested_allocator_statistics(neuron, monkeypatch, tmp_path):
-    from qwentitan.launch import neuron_runtime
+    from qwentitan.launch.runtime import neuron_runtime
 
     neuron()
     stats = get_platform("neuron").memory_stats()
@@ -185,7 +185,7 @@ def test_torchtitans_memory_monitor_reads_the_neuron_peak(neuron, monkeypatch):
 
 
 def test_the_per_core_peak_is_read_from_sysfs(tmp_path):
-    from qwentitan.launch.neuron_runtime import sysfs_peak_bytes
+    from qwentitan.launch.runtime.neuron_runtime import sysfs_peak_bytes
 
     # Logical core 5 at LNC 2 is physical cores 10 and 11: chip 1, cores 2 and 3.
     for core, peak in ((2, 7 * GIB), (3, 6 * GIB)):
@@ -208,7 +208,7 @@ class _Tags:
 
 
 def test_fallback_ops_are_tagged_and_warned(neuron, caplog):
-    from qwentitan.launch.neuron_runtime import report_fallback_ops
+    from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
 
     neuron(fallback=["aten::_foreach_sqrt", "aten::nonzero"])
     run = _Tags()
@@ -223,7 +223,7 @@ def test_fallback_ops_are_tagged_and_warned(neuron, caplog):
 
 
 def test_no_fallback_is_tagged_as_none(neuron, caplog):
-    from qwentitan.launch.neuron_runtime import report_fallback_ops
+    from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
 
     neuron()
     run = _Tags()
@@ -234,7 +234,7 @@ def test_no_fallback_is_tagged_as_none(neuron, caplog):
 
 
 def test_without_torchneuron_there_is_no_fallback_list(monkeypatch):
-    from qwentitan.launch.neuron_runtime import fallback_ops
+    from qwentitan.launch.runtime.neuron_runtime import fallback_ops
 
     monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # import fails
     assert fallback_ops() is None
@@ -252,7 +252,7 @@ def test_every_spelling_of_the_compiler_lnc_is_read(flags, lnc):
 
 
 def test_a_conflicting_short_lnc_flag_is_refused():
-    from qwentitan.launch.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import resolve_plan
 
     plan = resolve_plan("qwen3_4b_native")
     with pytest.raises(LaunchError, match="NEURON_CC_FLAGS sets --lnc=1"):
@@ -280,8 +280,8 @@ def _smoke_runner(seconds: float, fallback: list[str] | None):
 
 
 def test_compile_smoke_reports_the_first_step_time(monkeypatch):
-    from qwentitan.launch.plan import resolve_plan
-    from qwentitan.launch.preflight import checks
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight import checks
 
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
     runner = _smoke_runner(312.5, None)
@@ -297,8 +297,8 @@ def test_compile_smoke_reports_the_first_step_time(monkeypatch):
 
 
 def test_compile_smoke_fails_a_step_that_falls_back_unless_allowed(monkeypatch):
-    from qwentitan.launch.plan import resolve_plan
-    from qwentitan.launch.preflight import checks
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight import checks
 
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
     runner = _smoke_runner(5.0, ["aten::nonzero"])
@@ -310,8 +310,8 @@ def test_compile_smoke_fails_a_step_that_falls_back_unless_allowed(monkeypatch):
 
 
 def test_compile_smoke_fails_when_the_step_fails():
-    from qwentitan.launch.plan import resolve_plan
-    from qwentitan.launch.preflight import checks
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight import checks
 
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
     result = checks.check_compile_smoke(plan, runner=lambda command, env: 1)
@@ -319,8 +319,8 @@ def test_compile_smoke_fails_when_the_step_fails():
 
 
 def test_compile_smoke_is_skipped_off_the_target_host():
-    from qwentitan.launch.plan import resolve_plan
-    from qwentitan.launch.preflight import checks
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight import checks
 
     def never(command, env):
         raise AssertionError("no step may run on a host that is not the target")
@@ -332,7 +332,7 @@ def test_compile_smoke_is_skipped_off_the_target_host():
 def test_fallback_tags_reach_the_mlflow_run(neuron, tmp_path):
     from mlflow import MlflowClient
 
-    from qwentitan.launch.neuron_runtime import report_fallback_ops
+    from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
     from qwentitan.launch.tracking import MLflowLogger
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -350,8 +350,8 @@ def test_fallback_tags_reach_the_mlflow_run(neuron, tmp_path):
 @pytest.mark.slow
 def test_compile_smoke_trains_one_real_step_on_this_cpu_host():
     """The whole route once: torchrun, our Trainer timing step 1 and writing its report."""
-    from qwentitan.launch.plan import resolve_plan
-    from qwentitan.launch.preflight import checks
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight import checks
 
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1, seq_len=64)
     result = checks.check_compile_smoke(plan)
@@ -376,7 +376,7 @@ def test_the_real_torchneuron_still_has_the_faked_shapes():
 def test_an_installed_torchneuron_is_found_with_autoload_off(tmp_path, monkeypatch):
     """With TORCH_DEVICE_BACKEND_AUTOLOAD=0 nothing imports torch_neuronx, so torch.neuron is
     missing until someone does; the platform layer must, or a trn2 host trains on its CPU."""
-    from qwentitan.launch.platforms import PLATFORM_ENV, current_platform
+    from qwentitan.launch.runtime.platforms import PLATFORM_ENV, current_platform
 
     package = tmp_path / "torch_neuronx"
     package.mkdir()

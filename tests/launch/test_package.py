@@ -15,7 +15,7 @@ def test_cli_help_imports_no_heavy_library():
     """`qwentitan-launch --help` (and each command's) builds its parser without torch & co."""
     probe = """
 import sys
-from qwentitan.launch.cli import build_parser
+from qwentitan.launch.launcher.cli import build_parser
 parser = build_parser()
 parser.format_help()
 (commands,) = [a for a in parser._actions if a.dest == "command"]

@@ -18,9 +18,8 @@ from unittest import mock
 import pytest
 from mlflow import MlflowClient
 
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.plan import load_config
-from qwentitan.launch.tracking.pilot import (
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher.pilot import (
     PAIRS,
     compare,
     compare_url,
@@ -28,9 +27,10 @@ from qwentitan.launch.tracking.pilot import (
     run_pilot,
     runs_url,
 )
-from qwentitan.launch.tracking.pilot.__main__ import main as pilot_main
-from qwentitan.launch.tracking.pilot.plot import plot_losses
-from qwentitan.launch.tracking.pilot.run import _train
+from qwentitan.launch.launcher.pilot.__main__ import main as pilot_main
+from qwentitan.launch.launcher.pilot.plot import plot_losses
+from qwentitan.launch.launcher.pilot.run import _train
+from qwentitan.launch.launcher.plan import load_config
 from qwentitan.launch.tracking.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MlflowTarget
 from qwentitan.modeling import initial_checkpoint
 

@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-import qwentitan.launch.plan as plan_module
-from qwentitan.launch.environment import lnc_in_compiler_flags, merged_env
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.plan import resolve_plan
-from qwentitan.launch.plan_cli import describe
+import qwentitan.launch.launcher.plan as plan_module
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher.environment import lnc_in_compiler_flags, merged_env
+from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan_cli import describe
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from qwentitan.launch.cli import main
+from qwentitan.launch.launcher.cli import main
 
 TRN2 = ("qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels")
 

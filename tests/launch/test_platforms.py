@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.platforms import (
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.runtime.platforms import (
     PLATFORM_ENV,
     CpuDeviceModule,
     current_platform,

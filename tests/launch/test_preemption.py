@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qwentitan.launch.preemption import (
+from qwentitan.launch.runtime.preemption import (
     PreemptionWatch,
     ignore_sigusr1,
     ranks_of,
@@ -39,7 +39,7 @@ def test_ranks_agree_when_only_one_received_the_signal(tmp_path):
             """
             import os, signal, sys
             import torch.distributed as dist
-            from qwentitan.launch.preemption import PreemptionWatch
+            from qwentitan.launch.runtime.preemption import PreemptionWatch
             dist.init_process_group("gloo")
             watch = PreemptionWatch().install()
             first = watch.stop_requested()
@@ -114,7 +114,7 @@ def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, os; from qwentitan.launch.preemption import supervise; "
+            "import sys, os; from qwentitan.launch.runtime.preemption import supervise; "
             f"sys.exit(supervise([sys.executable, {str(agent)!r}], dict(os.environ)))",
         ]
     )
@@ -142,7 +142,7 @@ def test_a_second_sigint_stops_at_once():
     probe = textwrap.dedent(
         """
         import os, signal, sys, time
-        from qwentitan.launch.preemption import PreemptionWatch
+        from qwentitan.launch.runtime.preemption import PreemptionWatch
         watch = PreemptionWatch().install()
         os.kill(os.getpid(), signal.SIGINT)
         print(watch.stop_requested(), flush=True)

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwentitan.launch.plan import resolve_plan
-from qwentitan.launch.preflight import CheckResult, PreflightReport
-from qwentitan.launch.preflight.checks import check_lnc, check_seq_len, check_versions
-from qwentitan.launch.preflight.weights import check_weights
+from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.preflight import CheckResult, PreflightReport
+from qwentitan.launch.launcher.preflight.checks import check_lnc, check_seq_len, check_versions
+from qwentitan.launch.launcher.preflight.weights import check_weights
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,8 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(train_in_process, tmp_path
     for folder in folders:
         assert (folder / "checkpoint" / "step-1" / ".metadata").is_file()
 
-    from qwentitan.launch import cli, preemption
+    from qwentitan.launch.launcher import cli
+    from qwentitan.launch.runtime import preemption
 
     launched = []
     monkeypatch.setattr(preemption, "supervise", lambda argv, env: launched.append(argv) or 0)

@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from qwentitan.launch.resume import saved_steps
+from qwentitan.launch.launcher.resume import saved_steps
 
 pytestmark = pytest.mark.slow
 _STEP = re.compile(r"\bstep:\s+(\d+)\s")
@@ -33,7 +33,7 @@ def test_signal_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(
 ):
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "qwentitan.launch.cli", "train", "--steps", "200",
+        [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train", "--steps", "200",
          "--seq-len", "32", "--local-batch-size", "1", "--validate-every", "1000",
          "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 
-import qwentitan.launch.plan as plan_module
-from qwentitan.launch.plan import resolve_plan
-from qwentitan.launch.slurm import SlurmOptions, render_sbatch, write_sbatch
+import qwentitan.launch.launcher.plan as plan_module
+from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.slurm import SlurmOptions, render_sbatch, write_sbatch
 
 
 @pytest.fixture(autouse=True)

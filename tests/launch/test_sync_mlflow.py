@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from qwentitan.launch import cli
+from qwentitan.launch.launcher import cli
 from qwentitan.launch.tracking import store
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter, load_spool
 

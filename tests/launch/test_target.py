@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.platforms import get_platform
-from qwentitan.launch.target import (
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.target import (
     GIB,
     LNC_ENV,
     TARGETS,
@@ -16,7 +15,8 @@ from qwentitan.launch.target import (
     get_target,
     runtime_lnc,
 )
-from qwentitan.launch.topology import INSTANCES, get_topology
+from qwentitan.launch.base.topology import INSTANCES, get_topology
+from qwentitan.launch.runtime.platforms import get_platform
 from qwentitan.launch.tracking.context import logical_core_config
 from qwentitan.launch.tracking.cost import hourly_price
 
@@ -56,7 +56,7 @@ def test_only_the_target_module_reads_the_lnc_variable():
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.Constant) and node.value == LNC_ENV:
                 readers.append(file.relative_to(LAUNCH_SRC).as_posix())
-    assert readers == ["launch/target.py"]
+    assert readers == ["launch/base/target.py"]
 
 
 def test_sequence_rule_is_the_targets_everywhere(monkeypatch):

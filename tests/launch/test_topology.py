@@ -2,8 +2,8 @@
 
 import pytest
 
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.topology import GIB, INSTANCES, get_topology
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.topology import GIB, INSTANCES, get_topology
 
 
 def test_trn2_lnc2_is_64_ranks_of_24_gib():

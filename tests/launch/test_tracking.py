@@ -13,9 +13,9 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.utils.validation import validate_param_and_metric_name
 
-from qwentitan.launch.cli import main as launch_main
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.target import TARGETS
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.target import TARGETS
+from qwentitan.launch.launcher.cli import main as launch_main
 from qwentitan.launch.tracking import (
     MLflowLogger,
     attach_report,

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from qwentitan.launch import cli
-from qwentitan.launch.platforms import current_platform
+from qwentitan.launch.launcher import cli
+from qwentitan.launch.runtime.platforms import current_platform
 
 
 def refused(capsys, *argv):
@@ -53,7 +53,7 @@ def test_resume_without_a_checkpoint(capsys, tmp_path):
 @pytest.fixture
 def launched(monkeypatch):
     """What `train` / `run` would execute: supervise() records its argv and env instead."""
-    from qwentitan.launch import preemption
+    from qwentitan.launch.runtime import preemption
 
     calls = []
     monkeypatch.setattr(preemption, "supervise", lambda argv, env: calls.append((argv, env)) or 0)
@@ -70,7 +70,7 @@ def test_plan_json_shows_the_torchrun_line_train_runs(capsys, launched, tmp_path
         cli.main(["plan", "--recipe", "tiny_dense", "--dump-folder", str(run_dir), "--json"]) == 0
     )
     planned = json.loads(capsys.readouterr().out)["torchrun"]
-    assert train_argv[:3] == [sys.executable, "-m", "qwentitan.launch.agent"]
+    assert train_argv[:3] == [sys.executable, "-m", "qwentitan.launch.launcher.agent"]
     assert train_argv[3:] == planned[1:] and planned[0] == "torchrun"
     assert "--rdzv-backend=c10d" in planned and f"--dump-folder {run_dir}" in " ".join(planned)
     # One pipeline: `run` launches the same line with the same rank environment.
@@ -129,7 +129,7 @@ def test_too_little_disk_for_the_planned_checkpoints_is_refused(
 def test_ctrl_c_before_the_ranks_start_is_one_sentence_and_leaves_no_folder(
     capsys, launched, tmp_path, monkeypatch
 ):
-    from qwentitan.launch import run_folder
+    from qwentitan.launch.launcher import run_folder
 
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt

@@ -10,7 +10,7 @@ import warnings
 import pytest
 from mlflow import MlflowClient
 
-from qwentitan.launch.console import quiet_console
+from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.tracking.summary import RunSummary, format_summary
 from qwentitan.launch.tracking.summary_logger import SummaryLogger
 

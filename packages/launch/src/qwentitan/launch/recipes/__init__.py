@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from qwentitan.launch.errors import LaunchError
-from qwentitan.launch.target import NEURON_TARGET
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.target import NEURON_TARGET
 
 if TYPE_CHECKING:
     from torchtitan.trainer import Trainer

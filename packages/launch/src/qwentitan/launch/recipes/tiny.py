@@ -17,11 +17,11 @@ from torchtitan.components.validate import Validator
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 
-from qwentitan.launch.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
-from qwentitan.launch.platforms import current_platform
 from qwentitan.launch.recipes import recipe_info
+from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
+from qwentitan.launch.runtime.platforms import current_platform
+from qwentitan.launch.runtime.trainer import Trainer
 from qwentitan.launch.tracking import tracked_metrics
-from qwentitan.launch.trainer import Trainer
 from qwentitan.modeling import get_flavor, model_spec
 
 __all__ = ["metrics_config", "tiny_dense", "tiny_hf", "tiny_moe", "tiny_moe_kernels"]

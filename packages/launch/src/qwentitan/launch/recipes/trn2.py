@@ -28,10 +28,10 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
-from qwentitan.launch import env_defaults
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.recipes import TRN2_RECIPES, recipe_info
+from qwentitan.launch.runtime.trainer import Trainer
 from qwentitan.launch.tracking import tracked_metrics
-from qwentitan.launch.trainer import Trainer
 
 __all__ = ["TRN2_RECIPES", "qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"]
 
@@ -45,7 +45,7 @@ def qwen3_30b_a3b_folder() -> str:
 
 
 def _model_spec(flavor: str, recipe: str):
-    from qwentitan.launch.target import TARGETS
+    from qwentitan.launch.base.target import TARGETS
     from qwentitan.modeling import model_spec
 
     # The attention that trains on the recipe's Trainium target, whatever host plans it.

@@ -12,7 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from qwentitan.launch.target import runtime_lnc
+from qwentitan.launch.base.target import runtime_lnc
 
 # Distributions whose versions decide whether two runs are comparable.
 VERSIONED = (

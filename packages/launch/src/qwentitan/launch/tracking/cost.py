@@ -9,7 +9,7 @@ An instance with no price gets no cost metric rather than a made-up one.
 
 from __future__ import annotations
 
-from qwentitan.launch.target import PRICE_AS_OF, PRICE_SOURCE, TARGETS
+from qwentitan.launch.base.target import PRICE_AS_OF, PRICE_SOURCE, TARGETS
 
 
 def hourly_price(instance_type: str, configured: float | None = None) -> tuple[float, str] | None:

@@ -21,8 +21,8 @@ from typing import Any
 from torchtitan.components.metrics import BaseLogger
 from torchtitan.config import Configurable
 
-from qwentitan.launch import env_defaults
-from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.tracking import context, cost
 from qwentitan.launch.tracking.names import flatten_config
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter

@@ -7,8 +7,8 @@ import os
 import re
 from pathlib import Path
 
-from qwentitan.launch import env_defaults
-from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.tracking.logger import REPORTS_FOLDER, resolve_tracking_uri
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, load_spool
 from qwentitan.launch.tracking.store import (

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.tracking.logger import REPORTS_FOLDER, _write_atomically, active_loggers
 
 # Names the rest of qwentitan uses, so the MLflow artifact tree reads the same for every run.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qwentitan.launch.errors import LaunchError
+from qwentitan.launch.base.errors import LaunchError
 
 # Spools live in RUN_DIR/SPOOL_FOLDER/<run key>.jsonl, one file per training process that logged.
 SPOOL_FOLDER = "mlflow_spool"

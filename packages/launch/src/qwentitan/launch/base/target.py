@@ -1,0 +1,298 @@
+"""One `Target` per machine kind: every fact about where a run goes, stated once.
+
+A Target says what one kind of node offers (device type, process-group backend, accelerators and
+their memory, the LNC choices, peak FLOPs, the attention that trains there, the price), and its
+methods derive the rest (ranks per node, memory per rank, the sequence-length multiple). The
+launcher's `Topology`, the ranks' `Platform` and tracking's price lookup all read these facts
+from here; this module imports only `errors`, so every layer may use it.
+
+Figures from the Neuron SDK documentation (aws-neuron/aws-neuron-sdk): a trn2.48xlarge holds 16
+Trainium2 chips of 8 physical NeuronCore-v3 and 96 GiB HBM each
+(about-neuron/arch/neuron-hardware/trainium2.rst, nki/guides/architecture/trainium2_arch.rst);
+at LNC=2 two physical cores act as one logical core
+(about-neuron/arch/neuron-features/logical-neuroncore-config.rst), so a chip gives 4 ranks of
+24 GiB and the instance 64 ranks. A trn1.32xlarge holds 16 Trainium chips of 2 NeuronCore-v2 and
+32 GiB HBM each (about-neuron/arch/neuron-hardware/trainium.rst), LNC=1 only. NeuronCore-v3's
+TensorEngine gives 79 BF16 TFLOPS per physical core (about-neuron/arch/neuron-hardware/
+neuron-core-v3.rst; torchtitan's tools/utils.py uses the same figure). A GPU's peak comes from
+torchtitan's own table (`get_peak_flops`), by the device name the host reports.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from qwentitan.launch.base.errors import LaunchError
+
+__all__ = [
+    "GIB",
+    "LNC_ENV",
+    "NEURON_TARGET",
+    "PRICE_AS_OF",
+    "PRICE_SOURCE",
+    "TARGETS",
+    "Target",
+    "configured_lnc",
+    "cpu_cores",
+    "get_target",
+    "runtime_lnc",
+]
+
+GIB = 1024**3
+
+# The Neuron runtime's logical-core setting; the plan writes it, everything else reads it here.
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+# The Trainium kind a Neuron host is taken to be when nothing names one (its LNC default, 2,
+# is the runtime's own default on trn2).
+NEURON_TARGET = "trn2.48xlarge"
+
+# Public on-demand Linux list prices (USD per instance-hour) as recorded on this date; not
+# re-verified since (no network in this project's CI). Check
+# https://aws.amazon.com/ec2/pricing/on-demand/ before relying on them.
+PRICE_AS_OF = "2025-06-01"
+PRICE_SOURCE = "AWS EC2 on-demand, us-east-1"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One kind of machine a run can target: a catalogued instance or this host's CPU / GPUs."""
+
+    name: str
+    description: str
+    device_type: str  # "neuron" | "cuda" | "cpu"
+    backend: str  # torch.distributed process-group backend: neuron, nccl or gloo
+    attention: str
+    """Attention that trains here: `sdpa` (no FlexAttention backward on CPU, no Inductor on
+    Neuron) or `flex`."""
+    chips: int = 0
+    """Accelerators per node (Trainium chips, GPUs); 0: sized from the host this runs on."""
+    cores_per_chip: int = 1  # physical NeuronCores per chip; 1 for a GPU
+    chip_memory_gib: float = 0.0
+    allowed_lnc: tuple[int, ...] = (1,)
+    default_lnc: int = 1
+    flops_per_core: float | None = None
+    """Peak dense BF16 FLOP/s of one physical core; None: torchtitan's GPU table, or unknown."""
+    compile_target: str | None = None  # NEURON_PLATFORM_TARGET_OVERRIDE
+    efa: bool = False
+    price_per_hour: float | None = None  # USD per instance-hour, as of PRICE_AS_OF
+
+    @property
+    def local(self) -> bool:
+        """Sized from the host this runs on, not from a catalogue."""
+        return self.chips == 0
+
+    @property
+    def physical_cores(self) -> int:
+        return self.chips * self.cores_per_chip
+
+    def seq_len_multiple(self, lnc: int) -> int:
+        """Neuron kernels tile the sequence in 128-row blocks per physical core of a logical one."""
+        return 128 * lnc if self.device_type == "neuron" else 1
+
+    def peak_flops(self, lnc: int) -> float | None:
+        """Peak dense BF16 FLOP/s of one rank (LNC physical cores on Neuron); None on CPU."""
+        if self.flops_per_core is not None:
+            return self.flops_per_core * lnc
+        if self.device_type == "cuda":
+            import torch
+
+            if torch.cuda.is_available():
+                from torchtitan.tools.utils import get_peak_flops
+
+                return get_peak_flops(torch.cuda.get_device_name())
+        return None
+
+    def check_lnc(self, lnc: int | None) -> int:
+        """The LNC to use: `lnc`, or this kind's default; refused where the kind lacks it."""
+        if self.device_type != "neuron":
+            if lnc not in (None, 1):
+                raise LaunchError(
+                    f"LNC {lnc} applies to Trainium only; drop --lnc for instance {self.name!r}."
+                )
+            return 1
+        lnc = self.default_lnc if lnc is None else lnc
+        if lnc not in self.allowed_lnc:
+            allowed = " or ".join(str(v) for v in self.allowed_lnc)
+            raise LaunchError(
+                f"LNC {lnc} is not valid on {self.name}, which groups physical NeuronCores "
+                f"{allowed} at a time; pass --lnc {self.default_lnc}."
+            )
+        return lnc
+
+    def max_ranks(self, lnc: int = 1) -> int:
+        """Ranks one node holds: a logical core or GPU each; on the CPU host, one per core."""
+        if self.chips:
+            return self.chips * self.cores_per_chip // lnc
+        if self.device_type == "cpu":
+            return cpu_cores()
+        return _cuda_devices()
+
+    def default_ranks(self, lnc: int = 1) -> int:
+        """Every rank a node holds; on the CPU host two (the smallest distributed run)."""
+        limit = self.max_ranks(lnc)
+        return min(2, limit) if self.device_type == "cpu" else limit
+
+    def check_ranks(self, ranks: int, lnc: int = 1, *, flag: str = "--ranks-per-node") -> None:
+        """Refuse a rank count per node this kind cannot hold, naming `flag` in the fix."""
+        limit = self.max_ranks(lnc)
+        if self.local and self.device_type == "cuda" and limit == 0:
+            raise LaunchError(
+                "Instance 'cuda' describes this host's GPUs but torch sees none; "
+                "run on a CUDA host or pass --instance cpu."
+            )
+        if ranks < 1:
+            raise LaunchError(f"{flag} {ranks} is not a positive number; pass {flag} 1 or more.")
+        if ranks > limit:
+            if self.device_type == "neuron":
+                held = f"{limit} logical cores at LNC {lnc}"
+            else:
+                held = f"{limit} {'CPU cores' if self.device_type == 'cpu' else 'CUDA devices'}"
+            host = f"this {self.name} host" if self.local else self.name
+            raise LaunchError(
+                f"{flag} {ranks} is more than {host} holds ({held}); pass {flag} {limit} or fewer."
+            )
+
+    def memory_per_rank(self, lnc: int, ranks: int) -> int:
+        """Bytes one rank may use: its logical core's HBM share, its GPU, or the host's RAM split."""
+        if self.chips:
+            # HBM is shared by the cores of a chip; a logical core of LNC physical cores gets that
+            # share.
+            return int(self.chip_memory_gib * GIB * lnc / self.cores_per_chip)
+        if self.device_type == "cpu":
+            import psutil
+
+            return psutil.virtual_memory().total // ranks
+        import torch
+
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(ranks))
+
+    def check_seq_len(self, seq_len: int, lnc: int, max_positions: int | None = None) -> None:
+        """Refuse a sequence length these kernels or the model's RoPE table cannot take."""
+        if seq_len < 2:
+            raise LaunchError(f"--seq-len {seq_len} is too short; pass 2 or more tokens.")
+        multiple = self.seq_len_multiple(lnc)
+        if seq_len % multiple:
+            raise LaunchError(
+                f"--seq-len {seq_len} is not a multiple of {multiple}, which the Neuron kernels "
+                f"on {self.name} need (128 x LNC {lnc}); pass "
+                f"--seq-len {-(-seq_len // multiple) * multiple}."
+            )
+        if max_positions is not None and seq_len > max_positions:
+            raise LaunchError(
+                f"--seq-len {seq_len} is longer than the model's {max_positions} positions; "
+                f"pass --seq-len {max_positions} or less."
+            )
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target(
+            name="trn2.48xlarge",
+            description="16 Trainium2 chips, 8 physical NeuronCores and 96 GiB HBM per chip",
+            device_type="neuron",
+            backend="neuron",
+            attention="sdpa",
+            chips=16,
+            cores_per_chip=8,
+            chip_memory_gib=96.0,
+            allowed_lnc=(1, 2),
+            default_lnc=2,
+            flops_per_core=79e12,
+            compile_target="trn2",
+            efa=True,
+            price_per_hour=44.70,
+        ),
+        Target(
+            name="trn1.32xlarge",
+            description="16 Trainium chips, 2 NeuronCores and 32 GiB HBM per chip",
+            device_type="neuron",
+            backend="neuron",
+            attention="sdpa",
+            chips=16,
+            cores_per_chip=2,
+            chip_memory_gib=32.0,
+            compile_target="trn1",
+            efa=True,
+            price_per_hour=21.50,
+        ),
+        Target(
+            name="p4d.24xlarge",
+            description="8 NVIDIA A100 GPUs of 40 GiB, one rank per GPU over nccl",
+            device_type="cuda",
+            backend="nccl",
+            attention="flex",
+            chips=8,
+            chip_memory_gib=40.0,
+            efa=True,
+            price_per_hour=21.96,
+        ),
+        Target(
+            name="p5.48xlarge",
+            description="8 NVIDIA H100 GPUs of 80 GiB, one rank per GPU over nccl",
+            device_type="cuda",
+            backend="nccl",
+            attention="flex",
+            chips=8,
+            chip_memory_gib=80.0,
+            efa=True,
+            price_per_hour=55.04,
+        ),
+        Target(
+            name="cpu",
+            description="this host's CPU, ranks over gloo sharing its memory",
+            device_type="cpu",
+            backend="gloo",
+            attention="sdpa",
+        ),
+        Target(
+            name="cuda",
+            description="this host's CUDA GPUs, one rank per GPU over nccl",
+            device_type="cuda",
+            backend="nccl",
+            attention="flex",
+        ),
+    )
+}
+
+
+def get_target(name: str) -> Target:
+    """The Target called `name`, or a refusal listing the kinds there are."""
+    target = TARGETS.get(name)
+    if target is None:
+        raise LaunchError(
+            f"Unknown instance {name!r}; choose one of {', '.join(TARGETS)} with --instance."
+        )
+    return target
+
+
+def configured_lnc(env: Mapping[str, str] | None = None) -> int | None:
+    """`NEURON_LOGICAL_NC_CONFIG` in `env` (default: this process's environment); None if unset."""
+    raw = (os.environ if env is None else env).get(LNC_ENV)
+    if raw is None or raw == "":
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise LaunchError(f"{LNC_ENV} is {raw!r}; set it to 1 or 2, or unset it.")
+    return int(raw)
+
+
+def runtime_lnc(env: Mapping[str, str] | None = None) -> int:
+    """The LNC the Neuron runtime uses: the configured one, else the trn2 default."""
+    configured = configured_lnc(env)
+    return TARGETS[NEURON_TARGET].default_lnc if configured is None else configured
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on: the CPU host's rank limit, for train and plan alike."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

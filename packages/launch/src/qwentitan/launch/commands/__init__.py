@@ -1,1 +1,0 @@
-"""Subcommands of `qwentitan-launch`, one module each (see `qwentitan.launch.cli`)."""

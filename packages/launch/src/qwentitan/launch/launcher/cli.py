@@ -1,0 +1,66 @@
+"""`qwentitan-launch`: one subcommand per module of `qwentitan.launch.launcher.commands`.
+
+A command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
+Errors a user can cause become one sentence on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher import commands
+from qwentitan.launch.launcher.flags import OneLineErrorParser
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that carry a user-fixable message, from every installed qwentitan package."""
+    found: list[type[BaseException]] = [LaunchError]
+    for module, name in (
+        ("qwentitan.modeling", "ModelingError"),
+        ("qwentitan.checkpoint", "CheckpointError"),
+        ("qwentitan.kernels", "KernelError"),
+    ):
+        error = getattr(importlib.import_module(module), name, None)
+        if isinstance(error, type):
+            found.append(error)
+    return tuple(found)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="qwentitan-launch",
+        description="Plan, check and run Qwen3 training with torchtitan (Trainium2, CUDA or CPU).",
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser
+    )
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        command = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except user_errors() as error:
+        print(f"qwentitan-launch {args.command}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before any rank started (once they run, `train` / `run` forward it to them).
+        print(
+            f"qwentitan-launch {args.command}: interrupted (Ctrl-C); run it again.", file=sys.stderr
+        )
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of `qwentitan-launch`, one module each (see `qwentitan.launch.launcher.cli`)."""

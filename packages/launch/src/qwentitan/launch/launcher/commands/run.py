@@ -1,0 +1,94 @@
+"""`qwentitan-launch run`: start this node's torchrun agent for a planned run (any scheduler)."""
+
+from __future__ import annotations
+
+import argparse
+
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher.environment import rank_env
+from qwentitan.launch.launcher.flags import non_negative
+from qwentitan.launch.launcher.plan import LaunchPlan
+from qwentitan.launch.launcher.plan_cli import (
+    add_plan_arguments,
+    add_resume_argument,
+    describe,
+    plan_from_args,
+)
+
+NAME = "run"
+HELP = (
+    "Plan, check and launch a recipe on this node with torchrun (c10d rendezvous). For several "
+    "nodes, run it once per node with --nnodes N --node-rank K --rdzv-endpoint HOST:PORT; "
+    "--dry-run only prints the plan. Trainium launches are untested: nothing here has run on "
+    "Trainium."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_plan_arguments(parser)
+    add_resume_argument(parser)
+    parser.add_argument(
+        "--node-rank", type=non_negative, default=0, help="this node's rank (0..N-1)"
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        help="HOST:PORT of the c10d rendezvous, on the first node (default localhost:0, one node)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=non_negative,
+        default=0,
+        help="torchrun restarts of the whole group after a rank fails; each resumes from the "
+        "last checkpoint",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes > 1 and not args.rdzv_endpoint:
+        raise LaunchError(
+            f"A {args.nodes}-node run needs the rendezvous address; pass --rdzv-endpoint "
+            "HOST:PORT naming the first node."
+        )
+    if not 0 <= args.node_rank < args.nodes:
+        raise LaunchError(
+            f"--node-rank {args.node_rank} is outside 0..{args.nodes - 1} for {args.nodes} nodes."
+        )
+    plan = plan_from_args(
+        args,
+        rdzv_endpoint=args.rdzv_endpoint,
+        node_rank=args.node_rank,
+        max_restarts=args.max_restarts,
+    )
+    print(describe(plan), flush=True)
+    if args.dry_run:
+        return 0
+    from qwentitan.launch.launcher.run_folder import check_checkpoints, check_free_disk
+    from qwentitan.launch.runtime.preemption import supervise
+
+    check_host(plan)
+    check_checkpoints(plan, folder_flag="--dump-folder", resume_flag="--resume latest")
+    check_free_disk(plan, folder_flag="--dump-folder")
+    return supervise(plan.launch_argv(), rank_env(plan))
+
+
+def check_host(plan: LaunchPlan) -> None:
+    """Refuse to launch where the planned devices are not, after the plan has been printed."""
+    from qwentitan.launch.runtime.platforms import get_platform
+
+    device = plan.topology.device_type
+    if device == "cpu":
+        return
+    count = get_platform(device).max_ranks
+    if device == "neuron" and count == 0:
+        raise LaunchError(
+            f"This host has no Neuron devices (torch-neuronx is not loaded), so the "
+            f"{plan.topology.name} plan above cannot run here; launch it on a "
+            f"{plan.topology.name} or add --dry-run."
+        )
+    if count < plan.ranks_per_node:
+        unit = "Neuron cores" if device == "neuron" else "CUDA devices"
+        raise LaunchError(
+            f"This host shows {count} {unit} but the plan needs {plan.ranks_per_node} per node; "
+            f"check --lnc / NEURON_LOGICAL_NC_CONFIG or pass --ranks-per-node {count}."
+        )

@@ -1,0 +1,51 @@
+"""`qwentitan-launch slurm`: write an sbatch script for a multi-node run of a recipe."""
+
+from __future__ import annotations
+
+import argparse
+
+from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, non_negative, port, whole_number
+from qwentitan.launch.launcher.plan_cli import add_plan_arguments, plan_from_args
+from qwentitan.launch.launcher.slurm import DEFAULT_PORT, SlurmOptions, write_sbatch
+
+NAME = "slurm"
+HELP = (
+    "Write an sbatch script: one torchrun agent per node through srun, c10d rendezvous on the "
+    "first node, the Neuron and EFA environment, USR1 before the time limit for a checkpoint. "
+    "Not run on a Trainium cluster."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_plan_arguments(parser)
+    parser.add_argument(
+        "--output", "-o", default=None, help="script path (default <recipe>.sbatch)"
+    )
+    parser.add_argument("--partition", help="SLURM partition")
+    parser.add_argument("--time", help="SLURM time limit, e.g. 04:00:00")
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="rendezvous port")
+    parser.add_argument(
+        "--max-restarts", type=non_negative, default=3, help="torchrun restarts per node"
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=whole_number(0, MAX_SIGNAL_SECONDS),
+        default=120,
+        help="USR1 this long before the time limit",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    options = SlurmOptions(
+        partition=args.partition,
+        time=args.time,
+        port=args.port,
+        max_restarts=args.max_restarts,
+        grace_seconds=args.grace_seconds,
+    )
+    path = write_sbatch(plan, args.output or f"{plan.recipe}.sbatch", options)
+    print(
+        f"wrote {path}: {plan.nodes} nodes x {plan.ranks_per_node} ranks; submit with sbatch {path}"
+    )
+    return 0

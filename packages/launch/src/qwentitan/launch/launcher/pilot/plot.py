@@ -1,0 +1,58 @@
+"""The pilot's picture: every child's loss curve on one plot, each pair's |loss difference| below."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from qwentitan.launch.launcher.pilot.compare import PairResult
+
+# Differences of exactly zero (bit-identical steps) have no place on a log axis; a symmetric
+# log axis shows them at 0 and stays logarithmic above this.
+_LINEAR_BELOW = 1e-9
+
+
+def plot_losses(losses: dict[str, dict[int, float]], results: list[PairResult], file: Path) -> Path:
+    """Write the PNG to `file` (through a temporary sibling) and return it."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a training host
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, (curves, gaps) = plt.subplots(
+        2, 1, sharex=True, figsize=(9, 7), height_ratios=(2, 1), layout="constrained"
+    )
+    # The second child of a pair dashed, so a curve drawn exactly over its twin still shows.
+    dashed = {result.pair.children[1] for result in results}
+    for child, curve in losses.items():
+        steps = sorted(curve)
+        style = "--" if child in dashed else "-"
+        curves.plot(steps, [curve[s] for s in steps], style, marker=".", label=child)
+    curves.set_ylabel("training loss")
+    curves.set_title("pilot: every path from the same weights, data and steps")
+    curves.legend()
+    # Colours after the children's, so a difference is not read as one of the curves.
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    gaps.set_prop_cycle(color=palette[len(losses) :] + palette[: len(losses)])
+    for result in results:
+        steps = sorted(result.diffs)
+        left, right = result.pair.children
+        (line,) = gaps.plot(
+            steps, [result.diffs[s] for s in steps], marker=".", label=f"|{left} - {right}|"
+        )
+        gaps.axhline(result.pair.limit, color=line.get_color(), linestyle="--", linewidth=1)
+    gaps.set_yscale("symlog", linthresh=_LINEAR_BELOW)
+    gaps.set_ylim(bottom=0)
+    gaps.xaxis.set_major_locator(MaxNLocator(integer=True))
+    gaps.set_ylabel("|loss difference|\n(dashed: limit)")
+    gaps.set_xlabel("step")
+    gaps.legend()
+    partial = file.with_name(f".{file.name}.partial-{os.getpid()}.png")
+    try:
+        figure.savefig(partial, dpi=100)
+        partial.replace(file)
+    finally:
+        plt.close(figure)
+        partial.unlink(missing_ok=True)
+    return file

@@ -1,0 +1,318 @@
+"""The pilot: every implementation path trained from the same weights, compared in MLflow.
+
+`uv run nox -s pilot [-- --steps 20 --ranks 2]` writes one seeded tiny dense and one tiny MoE
+Hugging Face checkpoint, then trains each pair of paths from it with `qwentitan-launch train`
+(same seed, data order, steps and world size): `hf` and `native` on the dense one,
+`native-moe` and `moe-kernels` on the MoE one (torchtitan's experts in float32 on CPU, like the
+kernel experts). Each training is a child run of one MLflow parent in the `qwentitan-pilot`
+experiment; the parent gets each pair's per-step |loss difference|, its maximum, a PNG of all
+curves, and fails when a pair differs by more than its limit at any step. The last line printed
+is the URL that opens the children side by side in the MLflow UI (`uv run nox -s mlflow_ui`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher.pilot.compare import PAIRS, PairResult, compare
+from qwentitan.launch.launcher.pilot.plot import plot_losses
+from qwentitan.launch.recipes import recipe_info
+from qwentitan.launch.runtime.data.cache import atomic_folder
+from qwentitan.launch.tracking.logger import resolve_tracking_uri
+from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
+
+PILOT_EXPERIMENT = "qwentitan-pilot"
+# The tiny recipes' 1e-2 trains fast but spikes now and then (loss 8.3 -> 10.2 at one step
+# in a 20-step run), and that spike magnified the float32 rounding difference between hf and
+# native a thousandfold. The pilot compares paths, so it trains where a step is well
+# conditioned.
+PILOT_LR = 3e-3
+LOCAL_UI = "http://127.0.0.1:5000"  # where `uv run nox -s mlflow_ui` serves a local store
+PLOT = "pilot_losses.png"
+# `--perturb CHILD` starts that child from a copy of its pair's checkpoint with this weight
+# scaled by PERTURB_SCALE: the pilot must then fail, which shows its check can.
+PERTURBED_WEIGHT = "model.norm.weight"
+PERTURB_SCALE = 1.1
+_COLUMNS = (
+    "summary/final_loss",
+    "summary/warmup_time_s",
+    "summary/sustained_step_time_s",
+    "summary/sustained_tokens_per_second",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Pilot:
+    parent_run_id: str
+    children: dict[str, str]  # child name (its path) -> run id
+    failed: list[str]  # children whose training exited with an error
+    pairs: list[PairResult]
+    tracking_uri: str
+    compare_url: str
+    loss_url: str
+    plot: Path
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed and all(result.passed for result in self.pairs)
+
+
+def run_pilot(
+    steps: int = 20,
+    ranks: int = 2,
+    run_dir: str | os.PathLike[str] | None = None,
+    tracking_uri: str | None = None,
+    experiment: str = PILOT_EXPERIMENT,
+    *,
+    pairs: Sequence[str] = tuple(PAIRS),
+    seq_len: int | None = None,
+    local_batch_size: int | None = None,
+    seed: int = 0,
+    lr: float = PILOT_LR,
+    perturb: str | None = None,
+) -> Pilot:
+    """Train the `pairs` (names in PAIRS) as children of one new parent run; see the module."""
+    chosen = [PAIRS[name] for name in pairs if name in PAIRS]
+    if len(chosen) != len(pairs) or not chosen:
+        raise LaunchError(f"Unknown pair in {list(pairs)}; choose among {', '.join(PAIRS)}.")
+    children = [child for pair in chosen for child in pair.children]
+    if perturb is not None and perturb not in children:
+        raise LaunchError(f"--perturb {perturb!r} is none of this pilot's children: {children}.")
+    for pair in chosen:
+        for recipe in pair.recipes:
+            recipe_info(recipe)  # a typo in PAIRS fails here, before anything trains
+    uri = resolve_tracking_uri(tracking_uri)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = Path(run_dir) if run_dir else Path("outputs") / "pilot" / stamp
+    folder.mkdir(parents=True, exist_ok=True)
+    target = MlflowTarget(uri)
+    parent = target.open_run(
+        {"run_key": uuid.uuid4().hex, "experiment": experiment, "run_name": f"pilot-{stamp}",
+         "start_ms": now_ms()}
+    )  # fmt: skip
+    experiment_id = target.client.get_run(parent).info.experiment_id
+    size = {"seq_len": seq_len, "local_batch_size": local_batch_size}
+    target.log(
+        parent,
+        params={"steps": str(steps), "ranks": str(ranks), "seed": str(seed), "lr": f"{lr:g}",
+                **{k: str(v) for k, v in size.items() if v is not None},
+                **{f"limit.{p.name}": f"{p.limit:g}" for p in chosen}},
+        tags={"pilot.children": ",".join(children), "pilot.perturbed": perturb or "none"},
+    )  # fmt: skip
+
+    try:
+        failed = []
+        for pair in chosen:
+            start = _start_checkpoint(folder / "start" / pair.flavor, pair.flavor, seed)
+            for child, recipe in zip(pair.children, pair.recipes, strict=True):
+                weights = _perturbed(start) if child == perturb else start
+                command = [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train",
+                           "--recipe", recipe, "--steps", str(steps), "--ranks", str(ranks),
+                           "--run-dir", str(folder / child), *_size_flags(seq_len, local_batch_size),
+                           "--", *start_overrides(weights), _LR, f"{lr:g}",
+                           *child_overrides(uri, experiment, parent, child)]  # fmt: skip
+                print(f"pilot: {child} ({recipe}) from {weights}", flush=True)
+                if _train(command) != 0:
+                    failed.append(child)
+        runs = {
+            run.info.run_name: run.info.run_id
+            for run in target.client.search_runs(
+                [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
+            )
+        }
+        if missing := [c for c in children if c not in failed and c not in runs]:
+            raise LaunchError(
+                f"The {', '.join(missing)} run(s) trained but logged no MLflow run under parent "
+                f"{parent}; the recipes' metrics must be "
+                "qwentitan.launch.tracking.tracked_metrics(...)."
+            )
+        losses = {child: _losses(target, runs[child]) for child in children if child in runs}
+        results = [compare(pair, losses, steps) for pair in chosen]
+        plot = plot_losses(losses, results, folder / PLOT)
+        _log_results(target, parent, results, plot)
+    except BaseException as error:  # Ctrl-C (each `train` has saved and stopped), a full disk
+        target.end(parent, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", now_ms())
+        raise
+    passed = not failed and all(r.passed for r in results)
+    target.log(parent, tags={"pilot.failed": ",".join(failed) or "none",
+                             "pilot.result": "passed" if passed else "failed"})  # fmt: skip
+    target.end(parent, "FINISHED" if passed else "FAILED", now_ms())
+
+    _print_table(target, {child: runs[child] for child in children if child in runs})
+    for result in results:
+        print(f"pilot: {result.verdict()}")
+    if failed:
+        print(f"pilot: the {', '.join(failed)} run(s) failed to train (see their log above)")
+    trained = [runs[c] for c in children if c in runs]
+    url, losses_page = (
+        compare_url(uri, experiment_id, trained),
+        loss_url(uri, experiment_id, trained),
+    )
+    print(f"pilot: parent run {parent} in {uri}; curves in {plot}")
+    if not uri.startswith(("http://", "https://")):
+        print("pilot: serve the UI with `uv run nox -s mlflow_ui`, then open")
+    print(f"runs:    {runs_url(uri, experiment_id)}")
+    print(f"loss:    {losses_page}")
+    print(f"compare: {url}", flush=True)
+    return Pilot(parent, runs, failed, results, uri, url, losses_page, plot)
+
+
+# torchtitan 0.3.0 keeps the learning rate in its optimizer's parameter groups; the tiny
+# recipes have one (torchtitan's default_adamw).
+_LR = "--optimizer.param-groups.0.optimizer-kwargs.lr"
+
+
+def start_overrides(folder: Path) -> list[str]:
+    """The torchtitan overrides that start a training from the HF checkpoint in `folder`."""
+    return [
+        "--checkpoint.initial_load_path", str(folder.resolve()),  # torchtitan wants it absolute
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_model_only",
+    ]  # fmt: skip
+
+
+def child_overrides(uri: str, experiment: str, parent_run_id: str, run_name: str) -> list[str]:
+    """The torchtitan overrides that log one training as a child of the pilot's parent run."""
+    return [
+        "--metrics.mlflow.enable",  # the pilot exists to compare runs in MLflow
+        "--metrics.mlflow.tracking_uri", uri,
+        "--metrics.mlflow.experiment", experiment,
+        "--metrics.mlflow.parent_run_id", parent_run_id,
+        "--metrics.mlflow.run_name", run_name,
+    ]  # fmt: skip
+
+
+def compare_url(tracking_uri: str, experiment_id: str, run_ids: list[str]) -> str:
+    """The MLflow UI page showing these runs side by side (the UI's own compare-runs route)."""
+    query = {
+        "runs": _json(run_ids),
+        "experiments": _json([experiment_id]),
+        **_MODEL_TRAINING,
+    }
+    return f"{_ui(tracking_uri)}/#/compare-runs?{urllib.parse.urlencode(query)}"
+
+
+def loss_url(tracking_uri: str, experiment_id: str, run_ids: list[str]) -> str:
+    """The UI's metric page: these runs' loss curves on one plot, with a table of their values
+    (its own route, with the parameters its getMetricPageRoute writes)."""
+    query = {
+        "runs": _json(run_ids),
+        "metric": _json("loss"),
+        "experiments": _json([experiment_id]),
+        "plot_metric_keys": _json(["loss"]),
+        "plot_layout": "{}",
+        "x_axis": "step",
+        "y_axis_scale": "linear",
+        "line_smoothness": "1",
+        "show_point": "true",
+        "deselected_curves": "[]",
+        "last_linear_y_axis_range": "[]",
+        **_MODEL_TRAINING,
+    }
+    return f"{_ui(tracking_uri)}/#/metric/loss?{urllib.parse.urlencode(query)}"
+
+
+def runs_url(tracking_uri: str, experiment_id: str) -> str:
+    """The experiment's runs with their metric charts, in the UI's model-training view."""
+    query = urllib.parse.urlencode({**_MODEL_TRAINING, "compareRunsMode": "CHART"})
+    return f"{_ui(tracking_uri)}/#/experiments/{experiment_id}/runs?{query}"
+
+
+# MLflow 3.17's UI follows a global GenAI / Model training switch (GenAI unless the browser
+# has chosen otherwise) and opens any experiment on its traces overview under GenAI, whatever
+# the experiment's kind tag says; this parameter of its own URLs picks model training.
+_MODEL_TRAINING = {"workflowType": "machine_learning"}
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _ui(tracking_uri: str) -> str:
+    served = tracking_uri.startswith(("http://", "https://"))
+    return (tracking_uri if served else LOCAL_UI).rstrip("/")
+
+
+def _train(command: list[str]) -> int:
+    child = subprocess.Popen(command)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C reached `train` too, which saves a checkpoint and stops: wait for it (where
+        # subprocess.run would kill it a quarter second later). A second Ctrl-C stops both.
+        child.wait()
+        raise
+
+
+def _size_flags(seq_len: int | None, local_batch_size: int | None) -> list[str]:
+    flags = {"--seq-len": seq_len, "--local-batch-size": local_batch_size}
+    return [
+        item for flag, value in flags.items() if value is not None for item in (flag, str(value))
+    ]
+
+
+def _start_checkpoint(folder: Path, flavor: str, seed: int) -> Path:
+    from qwentitan.modeling.initial_checkpoint import write_initial_checkpoint
+
+    if not folder.exists():  # a resumed pilot folder keeps the weights it started from
+        print(f"pilot: writing the seeded {flavor} checkpoint to {folder}", flush=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        write_initial_checkpoint(flavor, folder, seed=seed)
+    return folder
+
+
+def _perturbed(start: Path) -> Path:
+    """A copy of the checkpoint in `start` with PERTURBED_WEIGHT scaled by PERTURB_SCALE."""
+    from safetensors.torch import load_file, save_file
+
+    folder = start.with_name(f"{start.name}-perturbed")
+    if folder.exists():
+        return folder
+    with atomic_folder(folder) as partial:
+        shutil.copytree(start, partial, dirs_exist_ok=True)
+        for file in partial.glob("*.safetensors"):
+            tensors = load_file(file)
+            if PERTURBED_WEIGHT in tensors:
+                tensors[PERTURBED_WEIGHT] = tensors[PERTURBED_WEIGHT] * PERTURB_SCALE
+                save_file(tensors, file, metadata={"format": "pt"})
+    return folder
+
+
+def _losses(target: MlflowTarget, run_id: str) -> dict[int, float]:
+    return {m.step: m.value for m in target.client.get_metric_history(run_id, "loss")}
+
+
+def _log_results(target: MlflowTarget, parent: str, results: list[PairResult], plot: Path) -> None:
+    from qwentitan.launch.tracking.store import Point
+
+    ms = now_ms()
+    points: list[Point] = []
+    tags = {}
+    for result in results:
+        key = f"pair/{result.pair.name}"
+        points += [(f"{key}/abs_loss_diff", d, ms, s) for s, d in sorted(result.diffs.items())]
+        if result.max_diff is not None:
+            points.append((f"{key}/max_abs_loss_diff", result.max_diff, ms, 0))
+        tags[f"{key}/result"] = "passed" if result.passed else "failed"
+        tags[f"{key}/verdict"] = result.verdict()
+    target.log(parent, points, tags=tags)
+    target.log_artifact(parent, plot, "plots")
+
+
+def _print_table(target: MlflowTarget, children: dict[str, str]) -> None:
+    print(f"{'path':<12}" + "".join(f"{c.removeprefix('summary/'):>30}" for c in _COLUMNS))
+    for path, run_id in children.items():
+        metrics = target.client.get_run(run_id).data.metrics
+        cells = "".join(f"{metrics[c]:>30.4g}" if c in metrics else f"{'-':>30}" for c in _COLUMNS)
+        print(f"{path:<12}{cells}")

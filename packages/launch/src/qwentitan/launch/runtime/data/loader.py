@@ -1,0 +1,169 @@
+"""Text datasets for torchtitan: the offline corpus, local c4-style JSON lines, or a Hub name.
+
+`TextDataLoader.Config(dataset=...)` goes where torchtitan's `HuggingFaceTextDataLoader.Config`
+does (`Trainer.Config.dataloader`, `Validator.Config.dataloader`). Documents are tokenized,
+packed into `seq_len` windows and sharded over data-parallel ranks by torchtitan's own
+`HuggingFaceTextDataset`, which also checkpoints the read position. This module only says
+where the text comes from, through torchtitan's dataset table (`DATASETS`, its documented
+extension point), and keeps a held-out slice of local data for validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
+
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.runtime.data.corpus import offline_corpus
+
+__all__ = ["OFFLINE", "DataSource", "TextDataLoader", "resolve_dataset"]
+
+OFFLINE = "offline"
+_JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
+@dataclass(frozen=True, slots=True)
+class DataSource:
+    """Where a dataset's text lives: local JSON-lines files, or a Hugging Face Hub name."""
+
+    name: str
+    files: tuple[str, ...] = ()
+    hub: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return bool(self.files)
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(_JSON_SUFFIXES)
+
+
+def resolve_dataset(spec: str) -> DataSource:
+    """Turn `--dataset` into a source, refusing a local path that is missing or holds no JSON.
+
+    The lines themselves are checked once by the launcher (`check_dataset`), not on every rank.
+    """
+    if spec == OFFLINE:
+        return DataSource(name=OFFLINE, files=(str(offline_corpus()),))
+    path = Path(spec).expanduser()
+    if path.exists() or _looks_like_path(spec):
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir() if p.name.endswith(_JSON_SUFFIXES))
+            if not files:
+                raise LaunchError(
+                    f"Dataset folder {path} holds no .jsonl or .json files; add c4-style JSON "
+                    'lines ({"text": ...} per line) or pass another --dataset.'
+                )
+        elif path.is_file():
+            files = [path]
+        else:
+            raise LaunchError(
+                f"Dataset path {path} does not exist; pass an existing JSON-lines file or folder, "
+                f"a Hugging Face dataset name, or --dataset {OFFLINE}."
+            )
+        return DataSource(name=str(path), files=tuple(str(p.resolve()) for p in files))
+    if spec in DATASETS:  # torchtitan's own names: c4, c4_test, c4_validation
+        return DataSource(name=spec)
+    return DataSource(name=spec, hub=spec)
+
+
+def _text(sample: dict[str, Any]) -> str:
+    return sample["text"]
+
+
+def _register(source: DataSource, split: str, holdout_every: int) -> str:
+    """Enter the source in torchtitan's dataset table; return the key to ask for it by."""
+    if not source.is_local and source.hub is None:
+        return source.name
+    key = (
+        f"qwentitan-{split}-{holdout_every}-"
+        + hashlib.sha1("\n".join(source.files or (source.hub or "",)).encode()).hexdigest()[:16]
+    )
+    if key in DATASETS:
+        return key
+    if source.is_local:
+
+        def load(path: str) -> Any:
+            from datasets import load_dataset
+
+            documents = load_dataset("json", data_files=list(source.files), split="train")
+            # Every `holdout_every`-th document is the validation slice; the rest is training.
+            keep = [
+                i
+                for i in range(len(documents))
+                if (i % holdout_every == holdout_every - 1) == (split == "validation")
+            ]
+            return documents.select(keep)
+
+    else:
+
+        def load(path: str) -> Any:
+            from datasets import load_dataset
+
+            return load_dataset(path, split=split, streaming=True)
+
+    DATASETS[key] = DatasetConfig(
+        path=source.hub or source.name, loader=load, sample_processor=_text
+    )
+    return key
+
+
+class TextDataLoader(ParallelAwareDataloader):
+    """torchtitan's text dataloader, fed from `dataset` (see `resolve_dataset`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        dataset: str = OFFLINE
+        """`offline` (the built-in corpus), a local JSON-lines file or folder with a `text`
+        field per line, or a Hugging Face Hub dataset name (streamed; needs network)."""
+
+        split: Literal["train", "validation"] = "train"
+        """For local data, `validation` is the held-out slice (every `holdout_every`-th
+        document) and `train` the rest; for a Hub dataset, the split of that name."""
+
+        holdout_every: int = 20
+
+        infinite: bool = True
+        """Loop over the data again when it runs out."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: BaseTokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        snapshot_every_n_steps: int | None = 1,
+        **kwargs: Any,
+    ) -> None:
+        key = _register(resolve_dataset(config.dataset), config.split, config.holdout_every)
+        dataset = HuggingFaceTextDataset(
+            dataset_name=key,
+            dataset_path=None,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            infinite=config.infinite,
+        )
+        super().__init__(
+            dataset,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            num_workers=config.num_workers,
+            persistent_workers=config.persistent_workers,
+            pin_memory=config.pin_memory,
+            prefetch_factor=config.prefetch_factor,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+            batch_size=local_batch_size,
+        )

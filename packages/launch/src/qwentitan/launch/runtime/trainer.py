@@ -1,0 +1,239 @@
+"""torchtitan's Trainer, made to run on the platform it finds (CPU included): the thin glue.
+
+What happens each training step is torchtitan's `Trainer.train()` loop, unchanged:
+
+    step += 1
+    train_step(batches)        # forward, backward, clip grad norm, optimizer.step, lr.step, log
+    checkpointer.save(step)    # DCP, every `checkpoint.interval` steps and at the last one
+    validator.validate(step)   # loss on the held-out slice, every `validator.freq` steps
+    should_continue_training() # <- the step boundary: `at_step_boundary()` below
+
+This module adds only what torchtitan 0.3.0 lacks, one place each:
+
+- `use_platform()`: point torchtitan at the platform's device module. With no accelerator
+  torchtitan falls back to "cuda" (`tools/utils.py: get_device_info`), and several of its modules
+  copied that choice at import time.
+- `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
+- `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
+  the signals the launcher forwards: SIGTERM, SIGUSR1, SIGINT), so `--resume` continues exactly.
+- `guard_saves()`: a save that fails (disk full, folder gone read-only) removes its partial
+  `step-N` folder and ends the rank with one sentence, so no later `--resume` takes it for a
+  whole checkpoint. DCP writes `.metadata` last (through a temporary file), so a rank killed
+  mid-save already leaves a folder that torchtitan and `--resume` skip.
+- `console.quiet_console()` (on import): torchtitan's and torch's lines a user cannot act on
+  are dropped; the MFU peak is said once, by the Trainer.
+- `Trainer.train_step()`: the first step of a process is timed apart (on Neuron it compiles for
+  minutes) and, on Neuron, followed by the list of ops TorchNeuron ran on the CPU; both go to
+  RUN_DIR/reports/first_step.json (what `preflight --compile-smoke` reads), the CPU fallbacks
+  also to the console and the MLflow run's tags.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.fsdp import FSDPModule
+from torchtitan import trainer as torchtitan_trainer
+from torchtitan.tools.logging import logger
+
+from qwentitan.launch.runtime.console import quiet_console
+from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
+from qwentitan.launch.runtime.platforms import Platform, current_platform
+from qwentitan.launch.runtime.preemption import PreemptionWatch
+from qwentitan.launch.tracking.reports import FIRST_STEP, attach_report
+
+__all__ = [
+    "Trainer",
+    "force_sum_reduction",
+    "guard_saves",
+    "use_platform",
+]
+
+# Before torchtitan builds a rank's config and Trainer (the recipe module imports this one).
+quiet_console()
+
+# Exit code of a rank whose checkpoint could not be written: a fault of the environment.
+SAVE_FAILED_EXIT = 2
+# Less free space than this after a failed save: the disk filled up (whatever the error says).
+FULL_DISK_BYTES = 2**20
+
+
+def use_platform(platform: Platform) -> None:
+    """Make every torchtitan module use `platform`'s device type and device module.
+
+    torchtitan binds `device_type, device_module = get_device_info()` once, in
+    `torchtitan.tools.utils`, and modules such as `components.metrics`, `distributed.utils` and
+    `distributed.parallel_dims` import those two names by value. On a host without an
+    accelerator that value is ("cuda", torch.cuda), so each loaded module holding the stale
+    pair is rebound here. This is the only place qwentitan touches torchtitan's globals.
+    """
+    from torchtitan.tools import utils
+
+    stale = {"device_type": utils.device_type, "device_module": utils.device_module}
+    fresh = {"device_type": platform.device_type, "device_module": platform.device_module}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan") and module is not None:
+            namespace = vars(module)
+            for key, value in stale.items():
+                if key in namespace and namespace[key] is value:
+                    namespace[key] = fresh[key]
+
+
+def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
+    """Make FSDP2 reduce gradients with SUM (then scale), since gloo has no PREMUL_SUM.
+
+    Returns how many FSDP modules were switched. Harmless on NCCL (one extra scaling kernel),
+    so it is applied wherever the backend is gloo.
+    """
+    switched = 0
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+                switched += 1
+    return switched
+
+
+def save_failure(step_folder: Path, error: BaseException) -> str:
+    """One sentence for a failed save of `step_folder` (call before removing the folder)."""
+    causes = [error]
+    if isinstance(error, CheckpointException):
+        causes = [failure for failure, _trace in error.failures.values()] or causes
+    cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
+    free = shutil.disk_usage(_existing(step_folder)).free
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    elif free < FULL_DISK_BYTES:
+        # torch.save's zip writer turns a short write (ENOSPC) into "unexpected pos" errors.
+        reason = f"the disk is full, {free} bytes left"
+    else:
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return (
+        f"Saving the checkpoint {step_folder} failed ({reason}); its partial folder was removed, "
+        f"so --resume continues from the previous checkpoint: free space in {step_folder.parent} "
+        "or choose another run folder, then resume."
+    )
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., Any]:
+    """`save(step, ...)` that, when it fails, removes `folder/step-N` and exits the rank
+    (code SAVE_FAILED_EXIT) with one sentence instead of a traceback per rank."""
+
+    def guarded(step: int, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return save(step, *args, **kwargs)
+        except (Exception, CheckpointException) as error:
+            step_folder = Path(folder) / f"step-{step}"
+            # DCP raises on every rank after all of them stopped writing; one removes the folder.
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                message = save_failure(step_folder, error)
+                shutil.rmtree(step_folder, ignore_errors=True)
+                logger.error(message)
+            raise SystemExit(SAVE_FAILED_EXIT) from None
+
+    return guarded
+
+
+class Trainer(torchtitan_trainer.Trainer):
+    """torchtitan's Trainer on the current platform, able to stop early and resume exactly."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(torchtitan_trainer.Trainer.Config):
+        stop_after: int | None = None
+        """Stop after this step with a full checkpoint, before `training.steps` (a planned
+        interruption: a later run with the same folder resumes from it)."""
+
+    config: Config
+    platform: Platform
+    preemption: PreemptionWatch
+    first_step_done: bool = False
+
+    def __init__(self, config: Config) -> None:
+        self.platform = current_platform()
+        use_platform(self.platform)
+        # Installed before the model is built: a preemption during start-up is then honoured at
+        # the first step boundary instead of killing the rank without a checkpoint.
+        self.preemption = PreemptionWatch().install()
+        super().__init__(config)
+        # On a full disk torchtitan's structured logger (a file in the run folder) fails too, and
+        # Python's logging would print a traceback per record; the failed save's sentence says why.
+        logging.raiseExceptions = False
+        if self.checkpointer.enable:
+            # The manager is built from the recipe's own config (any checkpointer class), so its
+            # save is wrapped here rather than subclassed in every recipe.
+            self.checkpointer.save = guard_saves(self.checkpointer.save, self.checkpointer.folder)
+        if self.platform.backend == "gloo":
+            force_sum_reduction(self.model_parts)
+        if self.platform.peak_flops is not None:
+            self.metrics_processor.gpu_peak_flops = self.platform.peak_flops
+            logger.info(f"MFU against {self.platform.peak_flops:.3e} peak FLOP/s per rank.")
+        else:
+            # No published peak here (CPU): torchtitan's only switch that drops MFU from the
+            # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.
+            self.metrics_processor.has_quantization = True
+            logger.info(f"MFU: n/a on {self.platform.name} (no published peak FLOP/s).")
+
+    def train_step(self, data_iterator) -> None:
+        if self.first_step_done:
+            return super().train_step(data_iterator)
+        start = time.perf_counter()
+        super().train_step(data_iterator)
+        self.platform.device_module.synchronize()
+        seconds = time.perf_counter() - start
+        self.first_step_done = True
+        logger.info(f"First step {self.step}: {seconds:.1f} s (compilation included).")
+        fallback = None
+        if self.platform.device_type == "neuron":
+            fallback = report_fallback_ops(getattr(self.metrics_processor, "mlflow", None))
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            report = {"step": self.step, "seconds": round(seconds, 3), "fallback_ops": fallback}
+            attach_report(self.config.dump_folder, FIRST_STEP, report)
+
+    def stop_reason(self) -> str | None:
+        """Why training should stop at this step boundary, or None to go on.
+
+        Besides `--stop-after`: a signal (SIGTERM / SIGUSR1 / SIGINT) received by any rank,
+        agreed across ranks by `PreemptionWatch` so that all stop at the same step.
+        """
+        stop_after = self.config.stop_after
+        if stop_after is not None and self.step >= stop_after:
+            return f"--stop-after {stop_after} reached"
+        return self.preemption.stop_requested(self.device)
+
+    def at_step_boundary(self) -> bool:
+        """Run between two steps (after checkpoint and validation); False ends training."""
+        if self.step >= self.config.training.steps:
+            return False
+        reason = self.stop_reason() if self.step > 0 else None
+        if reason is None:
+            return True
+        interval_saved = self.step % self.config.checkpoint.interval == 0
+        if self.config.checkpoint.enable and not interval_saved:
+            # `last_step=True` saves now, whatever the interval; the full state (model,
+            # optimizer, lr schedule, data position, step) is kept, since this is not the end.
+            model_only = self.checkpointer.last_save_model_only
+            self.checkpointer.last_save_model_only = False
+            try:
+                self.checkpointer.save(self.step, last_step=True)
+            finally:
+                self.checkpointer.last_save_model_only = model_only
+        logger.info(f"Stopping after step {self.step}: {reason}.")
+        return False
+
+    def should_continue_training(self) -> bool:
+        return self.at_step_boundary()
