@@ -117,8 +117,8 @@ def generate(folder: Path, config: dict, shard_bytes: int = 2 * 10**9) -> None:
     writer.close()
 
 
-def run(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Run a whole command: (wall seconds, its peak RSS in bytes)."""
+def run(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int, float]:
+    """Run a whole command: (wall seconds, its peak RSS in bytes, its CPU seconds)."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -126,7 +126,7 @@ def run(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int]
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:3])} failed with exit code {proc.returncode}")
-    return seconds, usage.ru_maxrss * 1024
+    return seconds, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
 def folder_bytes(folder: Path) -> int:
@@ -155,6 +155,7 @@ def bench(name: str, root: Path, rounds: int, before: Path | None) -> None:
         old = dict(os.environ, PYTHONPATH=str(before))
         envs = {"before: to-dcp": old, "before: to-hf": old}
     times: dict[str, list[float]] = {label: [] for label in commands}
+    cpu: dict[str, list[float]] = {label: [] for label in commands}
     rss: dict[str, int] = {}
     for attempt in range(rounds + 1):  # round 0 warms the page cache and is not counted
         for folder in (copy, dcp, back, old_dcp, old_back):
@@ -163,28 +164,39 @@ def bench(name: str, root: Path, rounds: int, before: Path | None) -> None:
         got = {label: run(argv, envs.get(label)) for label, argv in commands.items()}
         if attempt == 0:
             continue
-        for label, (seconds, peak) in got.items():
+        for label, (seconds, peak, cpu_s) in got.items():
             times[label].append(seconds)
+            cpu[label].append(cpu_s)
             rss[label] = max(rss.get(label, 0), peak)
         print(
             f"   round {attempt}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in got.items()),
             flush=True,
         )
     median = {label: statistics.median(t) for label, t in times.items()}
+    median_cpu = {label: statistics.median(t) for label, t in cpu.items()}
     torch_s, copy_s = median["python -c 'import torch'"], median["cp -r + sync"]
+    torch_cpu = median_cpu["python -c 'import torch'"]
     print(
         f"\n{name}, {size / 1e9:.2f} GB, warm page cache: median of {rounds} interleaved rounds; "
         "ratio = cp / (command - import torch), goal >= 0.8; peak RSS goal <= 1.5 GiB"
     )
-    print("\n| command | median s | rounds s | x cp, net of import torch | peak RSS GiB |")
-    print("|---|---:|---|---:|---:|")
+    print(
+        "(CPU s: user + system of the command; on a shared machine wall time follows the load, "
+        "CPU time much less)"
+    )
+    print(
+        "\n| command | median s | rounds s | x cp, net of import torch | CPU s | CPU s net of "
+        "import torch | peak RSS GiB |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|")
     for label, seconds in median.items():
-        ratio = "-"
+        ratio = net_cpu = "-"
         if "to-" in label:
             ratio = f"{copy_s / (seconds - torch_s):.2f}"
+            net_cpu = f"{median_cpu[label] - torch_cpu:.2f}"
         print(
             f"| `{label}` | {seconds:.2f} | {' / '.join(f'{t:.2f}' for t in times[label])} "
-            f"| {ratio} | {rss[label] / GiB:.2f} |"
+            f"| {ratio} | {median_cpu[label]:.2f} | {net_cpu} | {rss[label] / GiB:.2f} |"
         )
     for a, b in ((src, dcp), (back, dcp)):
         proc = subprocess.run([ckpt, "verify", str(a), str(b)], capture_output=True, text=True)
