@@ -141,7 +141,11 @@ def bench(name: str, root: Path, rounds: int, before: Path | None) -> None:
     subprocess.run(["sync"], check=True)
     size = folder_bytes(src)
     print(f"   {size / 1e9:.2f} GB on disk", flush=True)
-    ckpt = shutil.which("qwentitan-ckpt") or sys.exit("qwentitan-ckpt is not installed here")
+    ckpt = shutil.which("qwentitan-ckpt", path=Path(sys.executable).parent) or shutil.which(
+        "qwentitan-ckpt"
+    )
+    if ckpt is None:
+        sys.exit("qwentitan-ckpt is not installed here; run `uv sync --all-packages`.")
     commands = {
         "python -c 'import torch'": [sys.executable, "-c", "import torch"],
         "cp -r + sync": ["sh", "-c", f'cp -r "{src}" "{copy}" && sync'],
