@@ -77,12 +77,18 @@ class FakeTorchNeuronx(types.ModuleType):
             env["NEURON_RT_VISIBLE_CORES"] = env["LOCAL_RANK"]
         self.runtime_initialised = True
         self.visible = _cores(env["NEURON_RT_VISIBLE_CORES"])
-        assert self.device_count() == 1, (
+        self.local_world_size = int(env["LOCAL_WORLD_SIZE"])
+        assert self._vnc_count() == 1, (
             "Attempted to have more than one device per process in distributed setup"
         )
 
-    def device_count(self) -> int:
+    # torch_neuronx/csrc/core/NeuronDevice.cpp: the cores this process sees (vnc_count) differ
+    # from device_count, which is the local world size once the process group set it.
+    def _vnc_count(self) -> int:
         return len(self.visible) if self.runtime_initialised else self.logical_cores
+
+    def device_count(self) -> int:
+        return self.local_world_size if self.runtime_initialised else self._vnc_count()
 
     # torch_neuronx/memory.py
     def memory_stats(self, device=None) -> dict[str, object]:
@@ -129,6 +135,7 @@ def test_every_rank_of_a_trn2_node_starts_its_process_group(neuron, local_rank):
     fake = neuron()
     fake.init_process_group(env)
     assert env["NEURON_RT_VISIBLE_CORES"] == str(local_rank)
+    assert fake._vnc_count() == 1 and fake.device_count() == 64, "device_count: local world size"
 
 
 @pytest.mark.parametrize("recipe", TRN2)
