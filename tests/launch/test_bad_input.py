@@ -212,7 +212,7 @@ class _Payload:
 def _pickled_code(step: Path) -> str:
     marker = step.parent.parent.parent / "ran"
     (step / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    return f"{step / '.metadata'} is not a checkpoint's metadata (it names posix.system, "
+    return f"{step / '.metadata'} is not a checkpoint's metadata (posix.system is not allowed "
 
 
 @pytest.mark.parametrize(
@@ -331,3 +331,23 @@ def test_resuming_with_another_count_of_data_parallel_ranks_is_one_sentence(caps
         f"{step} was saved by 2 data-parallel ranks but this run has 1; resume it with 2 "
         "data-parallel ranks (e.g. --ranks 2), or pass another --run-dir to start fresh."
     )
+
+
+def test_the_ranks_load_only_a_checked_metadata(in_tmp, caplog):
+    """torchtitan's own load in the ranks goes through the same allow-list first."""
+    from qwentitan.launch.runtime.trainer import checked_loads
+
+    loaded = []
+    load = checked_loads(lambda state, checkpoint_id, from_hf, *rest: loaded.append(checkpoint_id))
+    good = save_checkpoint(in_tmp / "good", SMALL)
+    load({}, str(good), False, False)
+    assert loaded == [str(good)]
+    bad = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-1", SMALL)
+    _pickled_code(bad)
+    with pytest.raises(SystemExit) as ended:
+        load({}, str(bad), False, False)
+    assert ended.value.code == 2 and loaded == [str(good)]
+    assert not (in_tmp / "ran").exists()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(said) == 1 and "posix.system is not allowed" in said[0]
+    caplog.clear()  # the rank's one sentence, expected here

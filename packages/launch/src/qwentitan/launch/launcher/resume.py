@@ -8,25 +8,22 @@ or shorter than the byte ranges the metadata points into, or tensors of another 
 
 A `.metadata` is a pickle, and torch's `FileSystemReader.read_metadata` unpickles it with
 `pickle.load`, which runs whatever code the file names. The check reads it first with an
-allow-list unpickler (`read_metadata`: only the classes torch DCP writes, as
-`torch.load(weights_only=True)` does for tensors) and refuses any other file before a rank
+allow-list unpickler (`read_metadata`, through qwentitan.checkpoint's `MetadataUnpickler`:
+only the classes torch DCP writes, as `torch.load(weights_only=True)` does for tensors) and refuses any other file before a rank
 starts, so `train --resume` and `run` never hand torchtitan a `.metadata` that was not checked.
 """
 
 from __future__ import annotations
 
-import io
 import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from qwentitan.checkpoint.dcp_metadata import MetadataUnpickler
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import meta_model
 
@@ -43,42 +40,21 @@ class UnsafeMetadata(pickle.UnpicklingError):
     """A `.metadata` naming something other than torch DCP's metadata classes."""
 
 
-# What torch DCP's `.metadata` pickles name (torch 2.x: the metadata dataclasses, the storage
-# info of FileSystemWriter, torch.Size, dtypes and layouts, the checkpoint id's path).
-_ALLOWED = {
-    dcp_metadata.__name__: {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    dcp_filesystem.__name__: {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-}
+class _Unpickler(MetadataUnpickler):
+    """qwentitan.checkpoint's allow-list unpickler, its refusal told apart from damage."""
 
-
-class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        try:
             return super().find_class(module, name)
-        if module == "torch" and (
-            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return getattr(torch, name)
-        raise UnsafeMetadata(f"it names {module}.{name}, which DCP metadata never holds")
+        except pickle.UnpicklingError as error:
+            raise UnsafeMetadata(str(error)) from None
 
 
 def read_metadata(step: Path) -> Metadata:
     """The DCP metadata of `step`, unpickled with only DCP's own classes allowed; raises
     `UnsafeMetadata` for anything else, and what pickle raises for a damaged file."""
-    data = (step / METADATA).read_bytes()
-    metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    with open(step / METADATA, "rb") as file:
+        metadata = _Unpickler(file).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeMetadata(f"it holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
@@ -159,7 +135,7 @@ def _damage(step: Path) -> str | None:
     try:
         metadata = read_metadata(step)
     except UnsafeMetadata as error:
-        return f"{step / METADATA} is not a checkpoint's metadata ({error}; it was not run)"
+        return f"{step / METADATA} is not a checkpoint's metadata ({error}, so it was not run)"
     except Exception as error:  # a truncated pickle raises EOFError, garbage UnpicklingError, ...
         return f"{step / METADATA} is truncated or damaged ({type(error).__name__})"
     needed: dict[str, int] = {}
