@@ -25,7 +25,15 @@ LAUNCH_LAYER_FOLDERS = ("base", "tracking", "runtime", "recipes", "launcher")
 MAY_IMPORT: dict[str, set[str]] = {
     "base": {"base"},
     "tracking": {"base", "tracking"},
-    "runtime": {"base", "tracking", "runtime", "qwentitan.modeling", "qwentitan.kernels"},
+    # checkpoint: the trainer checks a resumed `.metadata` with its SafeFileSystemReader
+    "runtime": {
+        "base",
+        "tracking",
+        "runtime",
+        "qwentitan.modeling",
+        "qwentitan.kernels",
+        "qwentitan.checkpoint",
+    },
     "recipes": {
         "base",
         "tracking",

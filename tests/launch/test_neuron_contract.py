@@ -411,3 +411,39 @@ def test_preflight_cli_adds_the_smoke_on_request_and_names_a_core_range(monkeypa
     assert "NEURON_RT_VISIBLE_CORES=0-63" in checks["lnc"]["detail"]
     main(["preflight", "--recipe", "qwen3_4b_native", "--json"])
     assert "compile_smoke" not in {c["name"] for c in json.loads(capsys.readouterr().out)["checks"]}
+
+
+# issue 22: preflight's kernels check on a Neuron host
+
+
+@pytest.mark.parametrize(
+    ("version", "wrap_nki", "route"), [("2.14.3.0", False, "nki.jit"), ("0.1.0", True, "wrap_nki")]
+)
+def test_the_kernels_check_launches_on_the_neuron_device_and_names_the_route(
+    neuron, monkeypatch, version, wrap_nki, route
+):
+    """No neuron tensors exist here: the ops' numbers come from this CPU, while the device the
+    check asks for and the route it names are what a Neuron host with this torch-neuronx gets."""
+    from qwentitan.kernels import numerics
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight import checks
+
+    plan = resolve_plan("qwen3_moe_kernels")
+    fake = neuron()
+    fake.__version__ = version  # the release SDK 2.33 documents, or the April 2026 source
+    if wrap_nki:
+        fake.wrap_nki = lambda kernel: kernel
+    monkeypatch.setattr(checks, "host_device_type", lambda: "neuron")
+    asked: list[tuple[str, str, bool]] = []
+    real = numerics.numerics_report
+
+    def on_this_cpu(op, device, dtype, *, use_nki):
+        asked.append((op, str(device), use_nki))
+        return real(op, "cpu", dtype, use_nki=use_nki)
+
+    monkeypatch.setattr(numerics, "numerics_report", on_this_cpu)
+    result = checks.check_kernels(plan)
+    assert asked == [("rope", "neuron", True), ("grouped_experts", "neuron", True)]
+    assert result.status == "pass" and "on neuron" in result.detail
+    assert result.detail.startswith(f"rope {route} 0.00e+00, grouped_experts {route} ")
+    assert {f["route"] for f in result.figures.values()} == {route}

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import re
 from collections.abc import Callable
 from importlib import metadata
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from qwentitan.kernels.env import LNC_ENV, lnc_setting
 from qwentitan.kernels.errors import KernelError
 
 logger = logging.getLogger("qwentitan.kernels")
@@ -63,7 +63,6 @@ ROUTE_WRAP_NKI = "wrap_nki"
 # The torch-neuronx releases SDK 2.33 documents ("Install PyTorch for Neuron": 2.14.3.0 for
 # torch 2.14, 2.13.3.0 for torch 2.13); they run a plain `@nki.jit` call on neuron tensors.
 _DOCUMENTED_TORCH_NEURONX = (2, 13)
-_LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
 
 _cache: dict[str, Any] = {}
 _logged: set[str] = set()
@@ -71,10 +70,11 @@ _logged: set[str] = set()
 
 def logical_core_count() -> int:
     """LNC of this process: `NEURON_LOGICAL_NC_CONFIG` (1 or 2, default 2 on trn2)."""
-    raw = os.environ.get(_LNC_ENV, "2")
+    raw = lnc_setting()
+    raw = "2" if raw is None else raw
     if raw not in ("1", "2"):
         raise KernelError(
-            f"{_LNC_ENV} is {raw!r}; set it to 1 or 2 (every NKI launch uses it as its LNC)."
+            f"{LNC_ENV} is {raw!r}; set it to 1 or 2 (every NKI launch uses it as its LNC)."
         )
     return int(raw)
 
@@ -132,12 +132,12 @@ def launch(name: str, lnc: int, **kwargs: Any) -> Any:
         wrapped = _cache.setdefault(f"{name}/wrap_nki", import_torch_neuronx().wrap_nki(kernel))
         call = wrapped[(lnc,)]
     else:
-        raw = os.environ.get(_LNC_ENV)
+        raw = lnc_setting()
         if raw != str(lnc):
             raise KernelError(
-                f"the NKI kernel {name} runs at LNC {lnc} but {_LNC_ENV} is "
+                f"the NKI kernel {name} runs at LNC {lnc} but {LNC_ENV} is "
                 f"{'unset' if raw is None else repr(raw)}, and an @nki.jit call takes its LNC "
-                f"from that variable; export {_LNC_ENV}={lnc} before the run starts."
+                f"from that variable; export {LNC_ENV}={lnc} before the run starts."
             )
         call = kernel
     if name not in _logged:

@@ -210,7 +210,9 @@ def check_kernels(
     neuron device (`nki_loader.launch_route`), `reference twin` elsewhere or where a rule
     chose the twin. Rules without an op (plain module swaps) are skipped.
     """
-    neuron = torch.device(device).type == "neuron"
+    # Read from the name: "neuron" parses as a torch.device only once torch_neuronx renamed
+    # PrivateUse1, and the route is asked of torch_neuronx below anyway.
+    neuron = str(device).partition(":")[0] == "neuron"
     chosen: dict[str, bool] = {}
     for rule in rules:
         if rule.op is not None:

@@ -244,6 +244,44 @@ def default_rules(block_size: int = 256, choices: Any = None) -> list:
     return rules
 
 
+_KERNEL_OF_CONFIG = {
+    KernelRoPE.Config: "rope",
+    KernelCausalAttention.Config: "attention",
+    KernelGroupedExperts.Config: "experts",
+}
+
+
+def rules_in(model_config: Any) -> list:
+    """The rules a model config was built with, read back from the kernel modules it holds.
+
+    One rule per kernel found, as `default_rules` makes it (NKI if any of its modules runs the
+    NKI kernel, else the reference twin), so `qwentitan.kernels.check_kernels(rules_in(config))`
+    launches the ops this model runs by the route it runs them. Empty without kernel modules.
+    """
+    found: dict[str, bool] = {}
+    seen: set[int] = set()
+    todo = [model_config]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        kernel = _KERNEL_OF_CONFIG.get(type(node))
+        if kernel is not None:
+            found[kernel] = found.get(kernel, False) or node.use_nki
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            todo += [getattr(node, f.name, None) for f in dataclasses.fields(node)]
+        elif isinstance(node, (list, tuple)):
+            todo += node
+        elif isinstance(node, dict):
+            todo += node.values()
+    if not found:
+        return []
+    choices = {kernel: "torchtitan" for kernel in _PATTERNS}
+    choices.update({kernel: "nki" if nki else "reference" for kernel, nki in found.items()})
+    return default_rules(choices=_kernels().KernelChoices(**choices))
+
+
 def apply_kernel_replacements(model_config: Any, rules: Sequence | None = None) -> Any:
     """A new torchtitan Qwen3 model config with the kernel modules swapped in (input untouched).
 

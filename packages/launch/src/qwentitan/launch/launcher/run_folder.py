@@ -1,6 +1,11 @@
 """Run folders: where a run's checkpoints go, which earlier run `--resume` continues, and whether
 the disk holds what the run will save. Checked by the launcher before any rank starts.
 
+While `train` runs, it holds an exclusive lock (`flock`) on `RUN_DIR/run.lock`, which names its
+process and start time: a second run into the same folder is refused in one sentence instead
+of overwriting the first one's checkpoints and reports. The kernel drops the lock when the
+process ends, however it ends, so a killed run never leaves a stale one.
+
 No command deletes checkpoints: a fresh `train` gets a new folder under `outputs/RECIPE/`
 (named by its start time) and `outputs/RECIPE/latest` is a symlink to the newest one, which
 `train --resume` continues. A folder that already holds checkpoints is only ever resumed
@@ -9,9 +14,11 @@ No command deletes checkpoints: a fresh `train` gets a new folder under `outputs
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
-import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
@@ -21,12 +28,73 @@ __all__ = [
     "LATEST",
     "check_checkpoints",
     "check_free_disk",
+    "check_run_folder",
+    "hold_run_folder",
     "latest_run_folder",
     "new_run_folder",
     "point_latest",
+    "resolved",
 ]
 
 LATEST = "latest"
+LOCK_FILE = "run.lock"
+
+
+def _take_lock(folder: Path, *, folder_flag: str) -> int:
+    """An open descriptor holding `folder/run.lock` exclusively; LaunchError naming the holder."""
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise LaunchError(
+            f"Run folder {folder} is in use by another run ({holder}); wait for it to end, or "
+            f"pass another {folder_flag}."
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_run_folder(folder: Path, *, folder_flag: str) -> None:
+    """Refuse, before any other check, a run folder that is not a writable folder (or cannot be
+    created as one) or that another run is training in right now."""
+    probe = folder
+    while not (probe.exists() or probe.is_symlink()):
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is" if probe == folder else f"is inside {probe}, which is"
+        raise LaunchError(f"Run folder {folder} {what} not a folder; pass another {folder_flag}.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise LaunchError(
+            f"Run folder {folder} cannot be written ({probe} is read-only for this user); pass "
+            f"another {folder_flag}."
+        )
+    if (folder / LOCK_FILE).is_file():
+        with contextlib.suppress(OSError):
+            os.close(_take_lock(folder, folder_flag=folder_flag))
+
+
+@contextlib.contextmanager
+def hold_run_folder(folder: Path, *, folder_flag: str) -> Iterator[None]:
+    """Hold `folder`'s lock (creating the folder) while the block runs; the lock file names
+    this process and its start, for the sentence a second run gets."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = _take_lock(folder, folder_flag=folder_flag)
+    except OSError as error:
+        raise LaunchError(
+            f"Run folder {folder} cannot be written ({error.strerror}); pass another {folder_flag}."
+        ) from None
+    try:
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, started {started}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays, naming the last run
 
 
 def new_run_folder(base: Path) -> Path:
@@ -52,7 +120,21 @@ def point_latest(folder: Path) -> None:
 def latest_run_folder(base: Path) -> Path | None:
     """The run folder `base/latest` points at, or None when there is none."""
     latest = base / LATEST
-    return latest.resolve() if latest.is_symlink() and latest.resolve().is_dir() else None
+    if not latest.is_symlink():
+        return None
+    target = resolved(latest, folder_flag="--run-dir")
+    return target if target.is_dir() else None
+
+
+def resolved(folder: Path, *, folder_flag: str) -> Path:
+    """`folder` made absolute with its links followed; LaunchError for a link loop."""
+    try:
+        return folder.expanduser().resolve()
+    except (OSError, RuntimeError) as error:  # RuntimeError: Python 3.11's "Symlink loop"
+        raise LaunchError(
+            f"{folder} is a symbolic link that never reaches a folder ({error}); point it at a "
+            f"run folder or remove it, or pass another {folder_flag}."
+        ) from None
 
 
 def check_checkpoints(
@@ -80,6 +162,7 @@ def check_checkpoints(
         plan.recipe,
         folder_flag=folder_flag,
         fresh=fresh or f"pass another {folder_flag} to start fresh",
+        data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
     )
     if step >= plan.steps:
         raise LaunchError(
@@ -90,23 +173,11 @@ def check_checkpoints(
 
 
 def check_free_disk(plan: LaunchPlan, *, folder_flag: str) -> None:
-    """Refuse a run whose planned checkpoints do not fit on the disk of its run folder."""
+    """Refuse a run whose planned checkpoints (`planned_checkpoint_bytes`: measured against real
+    saves) do not fit on the disk of its run folder, before step 1."""
+    from qwentitan.checkpoint.files import disk_room
     from qwentitan.launch.launcher.preflight.checks import planned_checkpoint_bytes
 
-    probe = plan.checkpoint_folder.expanduser().resolve()
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    need = planned_checkpoint_bytes(plan)
-    if free < need:
-        raise LaunchError(
-            f"{probe} has {_size(free)} free but this run's checkpoints need about {_size(need)}; "
-            f"free space there or pass another {folder_flag}."
-        )
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count / 2**10:.1f} KiB"
+    room = disk_room(plan.checkpoint_folder, planned_checkpoint_bytes(plan))
+    if not room.enough:
+        raise LaunchError(room.shortage(f"free space there or pass another {folder_flag}"))

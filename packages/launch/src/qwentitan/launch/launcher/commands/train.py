@@ -90,9 +90,12 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.launcher.run_folder import (
         check_checkpoints,
         check_free_disk,
+        check_run_folder,
+        hold_run_folder,
         latest_run_folder,
         new_run_folder,
         point_latest,
+        resolved,
     )
     from qwentitan.launch.runtime.data import (
         OFFLINE,
@@ -116,8 +119,6 @@ def run(args: argparse.Namespace) -> int:
         )
     seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
     platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
-    if args.dataset not in (None, OFFLINE):
-        check_dataset(resolve_dataset(args.dataset))
     if args.tokenizer is not None:
         check_tokenizer_folder(args.tokenizer)
 
@@ -133,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         run_dir = new_run_folder(base)
-    run_dir = run_dir.resolve()
+    run_dir = resolved(run_dir, folder_flag="--run-dir")
+    check_run_folder(run_dir, folder_flag="--run-dir")
 
     plan = resolve_plan(
         args.recipe,
@@ -148,6 +150,14 @@ def run(args: argparse.Namespace) -> int:
         extra_overrides=[*_train_overrides(args), *args.overrides],
         resume="latest" if args.resume else "fresh",
     )
+    if args.dataset not in (None, OFFLINE):
+        validator = plan.config.validator
+        check_dataset(
+            resolve_dataset(args.dataset),
+            data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
+            holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
+            validating=bool(validator.enable),
+        )
     check_checkpoints(
         plan,
         folder_flag="--run-dir",
@@ -166,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.time()
-    code = supervise(plan.launch_argv(), rank_env(plan))
+    with hold_run_folder(run_dir, folder_flag="--run-dir"):
+        code = supervise(plan.launch_argv(), rank_env(plan))
     summary = _summary_block(
         run_dir, plan.checkpoint_folder if plan.config.checkpoint.enable else None, started
     )

@@ -6,7 +6,14 @@ import socket
 from collections.abc import Callable
 
 from qwentitan.launch.launcher.plan import LaunchPlan
-from qwentitan.launch.launcher.preflight import checks, dataset, efa, neuron_stack, weights
+from qwentitan.launch.launcher.preflight import (
+    checks,
+    dataset,
+    efa,
+    init_ops,
+    neuron_stack,
+    weights,
+)
 from qwentitan.launch.launcher.preflight.report import CheckResult, PreflightReport
 
 
@@ -36,6 +43,7 @@ def run_preflight(
         ("weights", lambda: weights.check_weights(plan, folder)),
         ("round_trip", lambda: weights.check_round_trip(plan, folder)),
         ("kernels", lambda: checks.check_kernels(plan)),
+        ("init_ops", lambda: init_ops.check_init_ops(plan)),
         ("initialisation", lambda: weights.check_initialisation(plan, folder, host)),
         ("disk", lambda: checks.check_disk(plan)),
     ]
