@@ -70,6 +70,9 @@ class MetadataUnpickler(pickle.Unpickler):
             return getattr(importlib.import_module(module), name)
         if (module, name) in _OTHER_ALLOWED:
             return getattr(importlib.import_module(module), name)
+        if module == "pathlib._local" and ("pathlib", name) in _OTHER_ALLOWED:
+            # Python 3.13 pickles the path classes from here; read them on any Python.
+            return getattr(importlib.import_module("pathlib"), name)
         if module == "torch":
             import torch
 
