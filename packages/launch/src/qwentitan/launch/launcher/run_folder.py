@@ -128,8 +128,12 @@ def latest_run_folder(base: Path) -> Path | None:
 
 def resolved(folder: Path, *, folder_flag: str) -> Path:
     """`folder` made absolute with its links followed; LaunchError for a link loop."""
+    folder = folder.expanduser()
     try:
-        return folder.expanduser().resolve()
+        # strict: from Python 3.13 a non-strict resolve() returns a loop's path unresolved.
+        return folder.resolve(strict=True)
+    except FileNotFoundError:
+        return folder.resolve()  # a folder (or link target) that does not exist yet
     except (OSError, RuntimeError) as error:  # RuntimeError: Python 3.11's "Symlink loop"
         raise LaunchError(
             f"{folder} is a symbolic link that never reaches a folder ({error}); point it at a "
