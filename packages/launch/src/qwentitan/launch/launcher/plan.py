@@ -1,10 +1,13 @@
 """A launch plan: everything about a run that can be decided before any process starts.
 
-`resolve_plan(recipe, instance=..., nodes=...)` loads the recipe exactly as the trainer will
-(torchtitan's ConfigManager with `--module qwentitan.launch.recipes --config <recipe>` plus the
-same override flags), checks the topology against it (parallel degrees, LNC, the Neuron
-sequence-length rule, memory per rank) and writes down the environment and the torchrun
-command line. Every refusal is a `LaunchError` whose message names the flag to change.
+A run is one torchtitan `Trainer.Config` plus the launch facts (machine kind, LNC, ranks, nodes,
+environment). `resolve_plan(recipe, instance=..., nodes=...)` turns the launcher's flags into
+torchtitan overrides (the machine kind too: `--target`, `--lnc`), loads the recipe exactly as
+every rank will (torchtitan's ConfigManager with `--module qwentitan.launch.recipes --config
+<recipe>` plus those overrides: "CLI args > config_registry defaults") and owns every check:
+ranges, parallel degrees, LNC, the sequence rules, the compile backend, the shell's Neuron
+settings, the step to stop after, memory per rank. `train`, `plan`, `run`, `slurm` and
+`preflight` only ask it. Every refusal is a `LaunchError` whose one sentence names the fix.
 """
 
 from __future__ import annotations
@@ -13,28 +16,29 @@ import contextlib
 import io
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.target import GIB, get_target
-from qwentitan.launch.base.topology import Topology, get_topology
+from qwentitan.launch.base.target import GIB, Topology, get_target, get_topology
+from qwentitan.launch.launcher import environment
 from qwentitan.launch.launcher.memory import (
     USABLE_FRACTION,
     MemoryEstimate,
     ModelShape,
     estimate_memory,
+    meta_model,
 )
-from qwentitan.launch.launcher.topology_env import plan_env
-
-if TYPE_CHECKING:
-    import torch
 
 RECIPES_MODULE = "qwentitan.launch.recipes"
 # torchtitan's own entry point on every rank; the recipe's Trainer.Config builds our Trainer.
 TRAIN_ENTRY = "torchtitan.train"
-DEFAULT_COMPILE_CACHE = "~/.cache/qwentitan/neuron-compile-cache"
+DEFAULT_COMPILE_CACHE = environment.DEFAULT_COMPILE_CACHE
+# torch.compile's backend on Neuron (TorchNeuron registers it); torchtitan's default is inductor.
+NEURON_COMPILE_BACKEND = "neuron"
 AC_MODES = ("none", "selective", "full")
 # What the ranks do with the checkpoints already in the run folder (torchtitan itself always
 # loads the newest one it finds; the launcher checks the folder against this before starting):
@@ -84,9 +88,10 @@ class LaunchPlan:
     config: Any = field(repr=False)  # the recipe's torchtitan Trainer.Config, overrides applied
     model_shape: ModelShape | None = None
     rdzv_endpoint: str = "localhost:0"
-    node_rank: int = 0
     max_restarts: int = 0
     resume: str = "auto"  # one of RESUME_MODES
+    env_sources: dict[str, str] = field(default_factory=dict)
+    """Where each value of `env` came from: flag, environment, default or plan."""
 
     @property
     def world_size(self) -> int:
@@ -129,6 +134,15 @@ class LaunchPlan:
     def command(self) -> str:
         return shlex.join(self.torchrun_args())
 
+    def rank_env(self, shell: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment torchrun hands every rank on this host: the shell, the plan on top."""
+        return environment.rank_env(
+            self.env,
+            device_type=self.topology.device_type,
+            ranks_per_node=self.ranks_per_node,
+            shell=shell,
+        )
+
     @property
     def run_folder(self) -> Path:
         """torchtitan's dump folder: checkpoints, logs and reports of this run."""
@@ -160,9 +174,7 @@ class LaunchPlan:
             "seq_len": self.seq_len,
             "seq_len_rule": {
                 "multiple_of": multiple,
-                "rule": f"128 x LNC {self.lnc}"
-                if self.topology.device_type == "neuron"
-                else "none",
+                "rule": "NKI attention" if self.topology.device_type == "neuron" else "none",
                 "ok": self.seq_len % multiple == 0,
             },
             "local_batch": self.local_batch,
@@ -188,8 +200,10 @@ class LaunchPlan:
                 "initial_load_in_hf": getattr(cfg.checkpoint, "initial_load_in_hf", None),
                 "last_save_in_hf": getattr(cfg.checkpoint, "last_save_in_hf", None),
                 "compile": cfg.compile.enable,
+                "compile_backend": cfg.compile.backend if cfg.compile.enable else None,
             },
             "env": self.env,
+            "env_sources": self.env_sources,
             "torchrun": self.torchrun_args(),
             "memory_per_rank": self.memory.to_dict(),
         }
@@ -267,14 +281,6 @@ def _tyro_message(text: str) -> str:
     return message
 
 
-def meta_model(config: Any) -> torch.nn.Module:
-    """The recipe's model built on the meta device: shapes and dtypes, no memory."""
-    import torch
-
-    with torch.device("meta"):
-        return config.model_spec.model.build()
-
-
 def model_shape(config: Any) -> ModelShape:
     """The shape of the recipe's model, read from its meta-device build."""
     return ModelShape.of(meta_model(config))
@@ -287,6 +293,7 @@ def resolve_plan(
     nodes: int = 1,
     lnc: int | None = None,
     ranks_per_node: int | None = None,
+    ranks_flag: str = "--ranks-per-node",
     fsdp: int | None = None,
     tp: int | None = None,
     ep: int | None = None,
@@ -295,22 +302,29 @@ def resolve_plan(
     global_batch: int | None = None,
     activation_checkpoint: str | None = None,
     steps: int | None = None,
+    stop_after: int | None = None,
     dump_folder: str | None = None,
     checkpoint_interval: int | None = None,
     extra_overrides: list[str] | None = None,
-    compile_cache: str = DEFAULT_COMPILE_CACHE,
+    compile_cache: str | None = None,
     rdzv_endpoint: str | None = None,
-    node_rank: int = 0,
     max_restarts: int = 0,
     resume: str = "auto",
+    shell: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
-    """Resolve (recipe, instance, nodes) and the optional knobs into a checked LaunchPlan."""
+    """Resolve (recipe, instance, nodes), the optional knobs and torchtitan overrides into a
+    checked LaunchPlan. `shell`: the environment the launch starts from (default: this one)."""
     instance = instance or default_instance(recipe)
-    get_target(instance)  # before anything slower, so an unknown name is the first problem
+    target = get_target(instance)  # before anything slower, so an unknown name is the first problem
     if nodes < 1:
         raise LaunchError(f"--nodes must be at least 1, not {nodes}.")
-    topology = get_topology(instance, lnc=lnc, ranks_per_node=ranks_per_node)
-    world = nodes * topology.ranks_per_node
+    shell = env_defaults.shell() if shell is None else shell
+    lnc_source = environment.FLAG
+    if lnc is None and target.device_type == "neuron":
+        lnc = environment.shell_lnc(shell)  # an exported LNC is honoured unless --lnc says else
+        lnc_source = environment.DEFAULT if lnc is None else environment.ENVIRONMENT
+    topology = get_topology(instance, lnc=lnc, ranks_per_node=ranks_per_node, ranks_flag=ranks_flag)
+    environment.check_shell(topology, shell)
     if resume not in RESUME_MODES:
         raise LaunchError(
             f"Unknown resume mode {resume!r}; pass --resume with one of {', '.join(RESUME_MODES)}."
@@ -321,11 +335,12 @@ def resolve_plan(
             f"pass --ac with one of {', '.join(AC_MODES)}."
         )
 
-    overrides: list[str] = []
+    overrides = placement_overrides(topology)
     for flag, value in (
         ("--training.seq-len", seq_len),
         ("--training.local-batch-size", local_batch),
         ("--training.steps", steps),
+        ("--stop-after", stop_after),
         ("--parallelism.data-parallel-shard-degree", fsdp),
         ("--parallelism.tensor-parallel-degree", tp),
         ("--parallelism.expert-parallel-degree", ep),
@@ -334,16 +349,71 @@ def resolve_plan(
     ):
         if value is not None:
             overrides += [flag, str(value)]
-    if topology.device_type != "cuda":
-        # CUDA graphs exist on CUDA only; torchtitan validates them (and refuses EP) otherwise.
-        overrides.append("--training.disable-cuda-graphs")
     overrides += list(extra_overrides or [])
     # A tyro subcommand, so always the last word on the trainer's command line.
-    ac_choice = [f"activation-checkpoint:{activation_checkpoint}"] if activation_checkpoint else []
+    if activation_checkpoint:
+        overrides.append(f"activation-checkpoint:{activation_checkpoint}")
+    return plan_from_overrides(
+        recipe,
+        topology,
+        overrides,
+        nodes=nodes,
+        global_batch=global_batch,
+        compile_cache=compile_cache,
+        lnc_source=lnc_source,
+        shell=shell,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        resume=resume,
+    )
 
-    config = load_config(recipe, overrides + ac_choice)
+
+def placement_overrides(topology: Topology) -> list[str]:
+    """The machine kind as config (our recipes' `Trainer.Config.target` / `.lnc`): every rank
+    builds its model for it. Another registry's config (torchtitan's own, which tests plan) has
+    no such fields; it only has CUDA graphs turned off where they cannot exist."""
+    if not _our_recipes():
+        return [] if topology.device_type == "cuda" else ["--training.disable-cuda-graphs"]
+    words = ["--target", topology.name]
+    return [*words, "--lnc", str(topology.lnc)] if topology.device_type == "neuron" else words
+
+
+def _our_recipes() -> bool:
+    from qwentitan.launch import recipes
+
+    return recipes.__name__ == RECIPES_MODULE
+
+
+def plan_from_overrides(
+    recipe: str,
+    topology: Topology,
+    overrides: list[str],
+    *,
+    nodes: int,
+    global_batch: int | None = None,
+    compile_cache: str | None = None,
+    lnc_source: str = environment.DEFAULT,
+    shell: Mapping[str, str],
+    env: tuple[dict[str, str], dict[str, str]] | None = None,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+    resume: str = "auto",
+) -> LaunchPlan:
+    """The plan of `recipe` with exactly these trainer overrides: the config every rank builds,
+    checked. `env`: the ranks' variables and their sources as already planned (a plan file)."""
+    overrides = list(overrides)
+    config = load_config(recipe, overrides)
+    world = nodes * topology.ranks_per_node
+    _check_ranges(config)
     degrees = _resolve_degrees(config.parallelism, world, topology)
-    topology.target.check_seq_len(config.training.seq_len, topology.lnc)
+    seq_len = config.training.seq_len
+    topology.target.check_seq_len(seq_len, topology.lnc, max_positions(config.model_spec.model))
+    _check_loss_chunks(config, seq_len, degrees.context_parallel)
+    _check_stop_after(config, resume)
+    backend = _compile_backend(config, topology, overrides)
+    if backend is not None:
+        _set_override(overrides, "--compile.backend", backend)
+        config.compile.backend = backend
     shape = model_shape(config)
     if degrees.expert_parallel > 1 and not shape.experts:
         raise LaunchError(
@@ -363,8 +433,60 @@ def resolve_plan(
     )
     if global_batch is not None or (recipe_batch > 0 and resolved_batch != recipe_batch):
         # Pinned or scaled with the nodes: the ranks load the recipe too, so they are told.
-        overrides += ["--training.global-batch-size", str(resolved_batch)]
+        _set_override(overrides, "--training.global-batch-size", str(resolved_batch))
         config.training.global_batch_size = resolved_batch
+    if env is None:
+        mlflow = getattr(config.metrics, "mlflow", None)
+        env = environment.plan_env(
+            topology,
+            nodes=nodes,
+            shell=shell,
+            compile_cache=compile_cache,
+            lnc_source=lnc_source,
+            mlflow_timeout_s=mlflow.request_timeout_s if mlflow and mlflow.enable else None,
+        )
+    plan = LaunchPlan(
+        recipe=recipe,
+        topology=topology,
+        nodes=nodes,
+        degrees=degrees,
+        seq_len=seq_len,
+        local_batch=local,
+        global_batch=resolved_batch,
+        steps=config.training.steps,
+        activation_checkpoint=ac,
+        overrides=_subcommand_last(overrides),
+        env=env[0],
+        env_sources=env[1],
+        memory=_memory(config, shape, degrees, topology, ac),
+        config=config,
+        model_shape=shape,
+        rdzv_endpoint=rdzv_endpoint or "localhost:0",
+        max_restarts=max_restarts,
+        resume=resume,
+    )
+    if not plan.memory.fits:
+        raise LaunchError(_memory_refusal(plan))
+    return plan
+
+
+def _set_override(overrides: list[str], flag: str, value: str) -> None:
+    """Set `flag VALUE` in `overrides`: in place where the flag is already, else at the end."""
+    if flag in overrides[:-1]:
+        overrides[overrides.index(flag) + 1] = value
+    else:
+        overrides += [flag, value]
+
+
+def _subcommand_last(overrides: list[str]) -> list[str]:
+    """tyro reads a subcommand (`activation-checkpoint:full`) as the end of the flags before it."""
+    chosen = [word for word in overrides if word.startswith("activation-checkpoint:")]
+    return [word for word in overrides if word not in chosen] + chosen[-1:]
+
+
+def _memory(
+    config: Any, shape: ModelShape, degrees: ParallelDegrees, topology: Topology, ac: str
+) -> MemoryEstimate:
     # torchtitan casts to the mixed-precision dtype only through fully_shard, which it applies
     # when more than one rank shards (dp_shard x cp > 1); otherwise everything is the training dtype.
     fsdp = degrees.data_parallel_shard * degrees.context_parallel > 1
@@ -372,47 +494,120 @@ def resolve_plan(
     compute_bytes = (
         2 if fsdp and config.training.mixed_precision_param == "bfloat16" else training_bytes
     )
-    memory = estimate_memory(
+    shards = degrees.data_parallel_shard * degrees.context_parallel * degrees.tensor_parallel
+    return estimate_memory(
         shape,
         seq_len=config.training.seq_len,
-        local_batch=local,
+        local_batch=config.training.local_batch_size,
         activation_checkpoint=ac,
         available=topology.memory_per_rank_bytes,
-        dense_shards=degrees.data_parallel_shard
-        * degrees.context_parallel
-        * degrees.tensor_parallel,
-        expert_shards=degrees.data_parallel_shard
-        * degrees.context_parallel
-        * degrees.tensor_parallel,
+        dense_shards=shards,
+        expert_shards=shards,
         tensor_parallel=degrees.tensor_parallel,
         training_dtype_bytes=training_bytes,
         compute_dtype_bytes=compute_bytes,
         loss_chunks=getattr(config.loss, "num_chunks", 1),
         fsdp=fsdp,
     )
-    plan = LaunchPlan(
-        recipe=recipe,
-        topology=topology,
-        nodes=nodes,
-        degrees=degrees,
-        seq_len=config.training.seq_len,
-        local_batch=local,
-        global_batch=resolved_batch,
-        steps=config.training.steps,
-        activation_checkpoint=ac,
-        overrides=overrides + ac_choice,
-        env=plan_env(topology, nodes=nodes, compile_cache=compile_cache),
-        memory=memory,
-        config=config,
-        model_shape=shape,
-        rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        node_rank=node_rank,
-        max_restarts=max_restarts,
-        resume=resume,
-    )
-    if not memory.fits:
-        raise LaunchError(_memory_refusal(plan))
-    return plan
+
+
+def max_positions(model: Any) -> int | None:
+    """The longest sequence the model's RoPE table holds (native: `max_seq_len`; hf: the
+    flavor's); None when the model config says neither."""
+    flavor = getattr(model, "flavor", None)
+    if flavor is not None:
+        return flavor.max_position_embeddings
+    return getattr(model, "max_seq_len", None)
+
+
+# Config values the launcher's own flags range-check (argparse, `flags.whole_number`), checked
+# the same way when they come as torchtitan overrides: (path, lowest, the launcher's flag).
+_RANGES = (
+    ("training.steps", 1, "--steps"),
+    ("training.seq_len", 1, "--seq-len"),
+    ("training.local_batch_size", 1, "--local-batch-size"),
+    ("checkpoint.interval", 1, "--checkpoint-interval"),
+    ("validator.freq", 1, "--validate-every"),
+    ("parallelism.data_parallel_replicate_degree", 1, None),
+    ("stop_after", 1, "--stop-after"),
+)
+
+
+def _check_ranges(config: Any) -> None:
+    for path, low, flag in _RANGES:
+        value: Any = config
+        for name in path.split("."):
+            value = getattr(value, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < low:
+            override = "--" + path.replace("_", "-")
+            ours = f" (or {flag})" if flag else ""
+            raise LaunchError(
+                f"{override} {value} is out of range; pass a whole number of {low} or more "
+                f"with {override}{ours}."
+            )
+    batch = config.training.global_batch_size
+    if batch < 1 and batch != -1:
+        raise LaunchError(
+            f"--training.global-batch-size {batch} is out of range; pass a whole number of 1 or "
+            "more with --global-batch-size (or -1: one local batch per data-parallel rank)."
+        )
+
+
+def _check_loss_chunks(config: Any, seq_len: int, context_parallel: int) -> None:
+    """torchtitan's ChunkedLossWrapper splits each rank's sequence into `num_chunks` equal parts
+    and asserts they are equal deep in the first step; refused here instead."""
+    chunks = getattr(config.loss, "num_chunks", None)
+    if not chunks:
+        return
+    local = seq_len // context_parallel
+    if local % chunks:
+        fits = -(-seq_len // (chunks * context_parallel)) * chunks * context_parallel
+        raise LaunchError(
+            f"--seq-len {seq_len} does not split into the loss's {chunks} chunks "
+            f"(ChunkedLossWrapper, --loss.num-chunks) on each of {context_parallel} "
+            f"context-parallel rank(s); pass --seq-len {fits} or another multiple of "
+            f"{chunks * context_parallel}."
+        )
+
+
+def _check_stop_after(config: Any, resume: str) -> None:
+    """`--stop-after` must fall after the step the run resumes from and before its last step."""
+    stop_after = getattr(config, "stop_after", None)
+    if stop_after is None:
+        return
+    steps = config.training.steps
+    if stop_after >= steps:
+        raise LaunchError(
+            f"--stop-after {stop_after} is not before the last step {steps}; pass "
+            f"--stop-after {steps - 1} or less, or raise --steps."
+        )
+    if resume == "fresh" or not config.checkpoint.enable:
+        return
+    from qwentitan.launch.launcher.resume import saved_steps
+
+    folder = Path(config.dump_folder) / config.checkpoint.folder
+    saved = saved_steps(folder)
+    if saved and stop_after <= saved[-1]:
+        raise LaunchError(
+            f"--stop-after {stop_after} is not after step {saved[-1]}, where the run resumes "
+            f"from {folder}; pass --stop-after {saved[-1] + 1} or more."
+        )
+
+
+def _compile_backend(config: Any, topology: Topology, overrides: list[str]) -> str | None:
+    """The compile backend the plan must add: `neuron` for a compiled Neuron run (torchtitan's
+    default, inductor, does not target Neuron); None when nothing is to be added."""
+    if topology.device_type != "neuron" or not config.compile.enable:
+        return None
+    if config.compile.backend == NEURON_COMPILE_BACKEND:
+        return None
+    named = any(word.split("=")[0] in ("--compile.backend",) for word in overrides)
+    if named or config.compile.backend != "inductor":
+        raise LaunchError(
+            f"Compile backend {config.compile.backend!r} does not target {topology.name}; pass "
+            f"--compile.backend {NEURON_COMPILE_BACKEND} or leave it out."
+        )
+    return NEURON_COMPILE_BACKEND
 
 
 def _global_batch(

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.plan import meta_model
+from qwentitan.launch.launcher.memory import meta_model
 
 __all__ = ["check_resumable", "saved_steps", "state_shapes"]
 

@@ -10,10 +10,10 @@ No command deletes checkpoints: a fresh `train` gets a new folder under `outputs
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
+from qwentitan.checkpoint.files import disk_room
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import LaunchPlan
 
@@ -23,6 +23,7 @@ __all__ = [
     "check_free_disk",
     "latest_run_folder",
     "new_run_folder",
+    "planned_checkpoint_bytes",
     "point_latest",
 ]
 
@@ -89,24 +90,31 @@ def check_checkpoints(
     return step
 
 
+def planned_checkpoint_bytes(plan: LaunchPlan) -> int:
+    """Bytes the run's checkpoints take at most: the kept interval saves plus the final one."""
+    params = plan.model_shape.params if plan.model_shape else 0
+    ckpt = plan.config.checkpoint
+    if not getattr(ckpt, "enable", False):
+        return 0
+    interval = max(int(getattr(ckpt, "interval", plan.steps) or plan.steps), 1)
+    # Interval saves before the last step; the last step's save is the final one.
+    before_last = (plan.steps - 1) // interval
+    keep = getattr(ckpt, "keep_latest_k", 0) or before_last
+    training = 4 if plan.config.training.dtype == "float32" else 2
+    full_state = params * training * 3  # model + AdamW's two moments
+    export = {"float16": 2, "bfloat16": 2}.get(getattr(ckpt, "export_dtype", "float32"), 4)
+    if getattr(ckpt, "last_save_in_hf", False):
+        final = params * export
+    elif getattr(ckpt, "last_save_model_only", True):
+        final = params * training
+    else:
+        final = full_state
+    return min(keep, before_last) * full_state + final
+
+
 def check_free_disk(plan: LaunchPlan, *, folder_flag: str) -> None:
-    """Refuse a run whose planned checkpoints do not fit on the disk of its run folder."""
-    from qwentitan.launch.launcher.preflight.checks import planned_checkpoint_bytes
-
-    probe = plan.checkpoint_folder.expanduser().resolve()
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    need = planned_checkpoint_bytes(plan)
-    if free < need:
-        raise LaunchError(
-            f"{probe} has {_size(free)} free but this run's checkpoints need about {_size(need)}; "
-            f"free space there or pass another {folder_flag}."
-        )
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count / 2**10:.1f} KiB"
+    """Refuse a run whose planned checkpoints do not fit on the disk of its run folder (the
+    workspace's one free-disk rule, `qwentitan.checkpoint.files.disk_room`)."""
+    room = disk_room(plan.checkpoint_folder, planned_checkpoint_bytes(plan))
+    if not room.enough:
+        raise LaunchError(room.shortage(f"free space there or pass another {folder_flag}"))

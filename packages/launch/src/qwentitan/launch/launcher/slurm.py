@@ -1,10 +1,11 @@
 """An sbatch script for a planned multi-node run: SLURM allocates, torchrun launches, nothing home-made.
 
-One task per node (`srun --ntasks-per-node=1`) runs `qwentitan-launch run`, which starts one
-torchrun agent for the node's ranks and joins the c10d rendezvous hosted on the first node of
-the allocation. The Neuron and EFA environment of the plan is exported before `srun`, so every
-node sees the same settings. `--signal=USR1@<grace>` asks for a checkpoint before the time
-limit, and `--requeue` plus the checkpoint folder let a preempted job resume where it stopped.
+The plan is resolved once, here, and written beside the script (`plan_file`); one task per node
+(`srun --ntasks-per-node=1`) runs `qwentitan-launch run --plan FILE`, which starts one torchrun
+agent for the node's ranks with exactly that plan (its overrides and its environment) and joins
+the c10d rendezvous hosted on the first node of the allocation. `--signal=USR1@<grace>` asks for
+a checkpoint before the time limit, and `--requeue` plus the checkpoint folder let a preempted
+job resume where it stopped.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwentitan.checkpoint.files import atomic_file
 from qwentitan.launch.launcher.plan import TRAIN_ENTRY, LaunchPlan
+from qwentitan.launch.launcher.plan_file import save_plan
 
 DEFAULT_PORT = 29500
 
@@ -27,15 +30,16 @@ class SlurmOptions:
     partition: str | None = None
     time: str | None = None  # e.g. "04:00:00"
     port: int = DEFAULT_PORT
-    max_restarts: int = 3
     grace_seconds: int = 120
     log_dir: str = "slurm-logs"
     workdir: str | None = None
     launcher: str = "qwentitan-launch"
 
 
-def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
-    """The sbatch script, as text."""
+def render_sbatch(
+    plan: LaunchPlan, options: SlurmOptions | None = None, plan_file: str | Path = "PLAN.json"
+) -> str:
+    """The sbatch script, as text, running the plan saved at `plan_file`."""
     o = options or SlurmOptions()
     job = o.job_name or f"qwentitan-{plan.recipe}"
     workdir = o.workdir or os.getcwd()
@@ -54,21 +58,7 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
     if o.time:
         header.append(f"#SBATCH --time={o.time}")
 
-    run_args = [
-        "run",
-        "--recipe",
-        plan.recipe,
-        "--instance",
-        plan.topology.name,
-        "--lnc",
-        str(plan.lnc),
-        "--ranks-per-node",
-        str(plan.ranks_per_node),
-        "--max-restarts",
-        str(o.max_restarts),
-        *_knob_args(plan),
-    ]
-    quoted = " ".join(shlex.quote(a) for a in run_args)
+    quoted = shlex.join(["run", "--plan", str(plan_file)])
     body = [
         "",
         f"# {plan.world_size} ranks = {plan.nodes} nodes x {plan.ranks_per_node} "
@@ -86,8 +76,8 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
         "HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w \"$HEAD_NODE\" hostname --ip-address | awk '{print $1}')",
         f"RDZV_PORT={o.port}",
         "",
-        "# Neuron runtime and compiler (LNC kept equal), compile cache, EFA.",
-        *(f"export {k}={shlex.quote(v)}" for k, v in plan.env.items()),
+        "# The plan file holds the ranks' environment too (Neuron, compile cache, EFA):",
+        *(f"#   {k}={shlex.quote(v)}" for k, v in plan.env.items()),
         "",
         "# One task per node; each runs one torchrun agent for that node's ranks:",
         f"#   torchrun --nnodes={plan.nodes} --nproc-per-node={plan.ranks_per_node} "
@@ -95,7 +85,6 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
         f"-m {TRAIN_ENTRY} {shlex.join(plan.trainer_args())}",
         f"srun --nodes={plan.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
         f"  {shlex.quote(o.launcher)} {quoted} \\",
-        '  --nnodes "$SLURM_JOB_NUM_NODES" --node-rank "$SLURM_NODEID" \\',
         '  --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"',
         "",
     ]
@@ -103,37 +92,11 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
 
 
 def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | None = None) -> Path:
-    """Write the script atomically (temporary sibling, then rename) and make it executable."""
+    """Write the plan file (`<script>.plan.json`) and the script, each atomically; the script is
+    executable."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(render_sbatch(plan, options))
-    tmp.chmod(0o755)
-    tmp.replace(path)
+    plan_file = save_plan(plan, path.with_name(f"{path.stem}.plan.json")).resolve()
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(render_sbatch(plan, options, plan_file))
+        Path(tmp).chmod(0o755)
     return path
-
-
-def _knob_args(plan: LaunchPlan) -> list[str]:
-    """Re-state the plan's knobs so every node resolves the same plan."""
-    args: list[str] = []
-    d = plan.degrees
-    if d.tensor_parallel != 1:
-        args += ["--tp", str(d.tensor_parallel)]
-    if d.expert_parallel != 1:
-        args += ["--ep", str(d.expert_parallel)]
-    flags = {
-        "--training.seq-len": "--seq-len",
-        "--training.local-batch-size": "--local-batch-size",
-        "--training.global-batch-size": "--global-batch-size",
-        "--training.steps": "--steps",
-        "--parallelism.data-parallel-shard-degree": "--fsdp",
-        "--dump-folder": "--dump-folder",
-        "--checkpoint.interval": "--checkpoint-interval",
-    }
-    it = iter(plan.overrides)
-    for word in it:
-        if word in flags:
-            args += [flags[word], next(it)]
-        elif word.startswith("activation-checkpoint:"):
-            args += ["--ac", word.split(":", 1)[1]]
-    return args

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 _TINY = "qwentitan.launch.recipes.tiny"
 _TRN2 = "qwentitan.launch.recipes.trn2"
-TRN2_INSTANCE = NEURON_TARGET
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +49,13 @@ _RECIPES = {
         Recipe("tiny_hf", _TINY, "hf"),
         Recipe("tiny_moe", _TINY, "native"),
         Recipe("tiny_moe_kernels", _TINY, "moe-kernels"),
-        Recipe("qwen3_4b_hf", _TRN2, "hf", TRN2_INSTANCE),
-        Recipe("qwen3_4b_native", _TRN2, "native", TRN2_INSTANCE),
-        Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", TRN2_INSTANCE),
+        Recipe("qwen3_4b_hf", _TRN2, "hf", NEURON_TARGET),
+        Recipe("qwen3_4b_native", _TRN2, "native", NEURON_TARGET),
+        Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", NEURON_TARGET),
     )
 }
 # The recipes written for one trn2.48xlarge (the others train on this host).
-TRN2_RECIPES = tuple(name for name, r in _RECIPES.items() if r.instance == TRN2_INSTANCE)
+TRN2_RECIPES = tuple(name for name, r in _RECIPES.items() if r.instance == NEURON_TARGET)
 _OTHER_EXPORTS = {"metrics_config": _TINY}
 
 __all__ = [

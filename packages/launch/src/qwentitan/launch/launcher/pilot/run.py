@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwentitan.checkpoint.files import atomic_folder
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.pilot.compare import PAIRS, PairResult, compare
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.recipes import recipe_info
-from qwentitan.launch.runtime.data.cache import atomic_folder
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
 from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
 
