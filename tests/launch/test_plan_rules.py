@@ -38,7 +38,11 @@ def test_a_sequence_the_chunked_loss_cannot_split_is_one_sentence(capsys):
     [
         (["--training.steps", "0"], "--training.steps 0 is out of range"),
         (["--training.local-batch-size", "0"], "--training.local-batch-size 0 is out of range"),
-        (["--checkpoint.interval", "-3"], "--checkpoint.interval -3 is out of range"),
+        (["--validator.freq", "0"], "--validator.freq 0 is out of range"),
+        (
+            ["--stop-after", "0"],
+            "--stop-after 0 is out of range; pass a whole number of 1 or more with --stop-after.",
+        ),
         (["--training.global-batch-size", "0"], "--training.global-batch-size 0 is out of range"),
     ],
 )

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from qwentitan.launch.launcher import cli
 from qwentitan.launch.base.target import cpu_cores
+from qwentitan.launch.launcher import cli
 
 
 def refused(capsys, *argv):

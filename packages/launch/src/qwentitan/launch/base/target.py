@@ -49,8 +49,9 @@ GIB = 1024**3
 
 # TorchNeuron sends every 4-D scaled_dot_product_attention on a Neuron tensor to the
 # "overrideable" SDPA backend (torch_neuronx/csrc/aten/SdpBackendSelection.cpp, public mirror
-# parmoham-aws/test-repo-parmoham), whose NKI flash-attention implementation takes only sequence
-# lengths that are multiples of 512 (its `can_handle`: `seq_len % 512 == 0`); nki-library's
+# parmoham-aws/test-repo-parmoham), whose NKI flash-attention implementation
+# (torch_neuronx/python_ops/scaled_dot_product_fused_attention.py and the NKI attention ops beside
+# it) takes only sequence lengths that are multiples of 512 (`seq_len % 512 == 0`); nki-library's
 # attention_bwd takes key lengths of 128, 256 or multiples of 512. Other lengths fall back to a
 # slow path or fail, so the plan refuses them. 512 is also a multiple of the 128-row tile each
 # physical core of a logical one takes (128 x LNC, LNC <= 4).

@@ -540,7 +540,7 @@ def _check_ranges(config: Any) -> None:
             value = getattr(value, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < low:
             override = "--" + path.replace("_", "-")
-            ours = f" (or {flag})" if flag else ""
+            ours = f" (or {flag})" if flag and flag != override else ""
             raise LaunchError(
                 f"{override} {value} is out of range; pass a whole number of {low} or more "
                 f"with {override}{ours}."

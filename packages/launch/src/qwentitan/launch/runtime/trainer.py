@@ -53,6 +53,7 @@ from torchtitan import trainer as torchtitan_trainer
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.target import Target, get_target
 from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
@@ -167,7 +168,8 @@ class Trainer(torchtitan_trainer.Trainer):
         """The machine kind the ranks train on, a Target name (cpu, cuda, trn2.48xlarge, ...);
         "" means this host's (`platforms.host_target`)."""
         lnc: int | None = None
-        """Logical NeuronCore size on Trainium (None: the Target's default)."""
+        """Logical NeuronCore size on Trainium (None: `NEURON_LOGICAL_NC_CONFIG`, else the
+        Target's default)."""
         stop_after: int | None = None
         """Stop after this step with a full checkpoint, before `training.steps` (a planned
         interruption: a later run with the same folder resumes from it)."""
@@ -188,6 +190,13 @@ class Trainer(torchtitan_trainer.Trainer):
         def placed_target(self) -> Target:
             return get_target(self.target or host_target())
 
+        def placed_lnc(self, target: Target) -> int:
+            """`lnc`, else (on Neuron) the runtime's own setting, else the Target's default."""
+            lnc = self.lnc
+            if lnc is None and target.device_type == "neuron":
+                lnc = env_defaults.configured_lnc()
+            return target.check_lnc(lnc)
+
         def to_dict(self) -> dict[str, Any]:
             config = torchtitan_trainer.Trainer.Config.to_dict(self)
             config.pop("model_for", None)  # a function: the model itself is under model_spec
@@ -201,7 +210,7 @@ class Trainer(torchtitan_trainer.Trainer):
 
     def __init__(self, config: Config) -> None:
         self.target = config.placed_target()
-        lnc = self.target.check_lnc(config.lnc)
+        lnc = config.placed_lnc(self.target)
         self.platform = get_platform(self.target.device_type, lnc=lnc)
         use_platform(self.platform)
         # Installed before the model is built: a preemption during start-up is then honoured at
