@@ -273,6 +273,7 @@ def _smoke_runner(seconds: float, fallback: list[str] | None):
 
     def run(command: list[str], env: dict[str, str]) -> int:
         calls.append(command)
+        run.envs.append(env)
         folder = Path(command[command.index("--dump-folder") + 1])
         folder.mkdir(parents=True, exist_ok=True)
         report = {"step": 1, "seconds": seconds, "fallback_ops": fallback}
@@ -281,6 +282,7 @@ def _smoke_runner(seconds: float, fallback: list[str] | None):
         return 0
 
     run.calls = calls
+    run.envs = []
     return run
 
 
@@ -288,6 +290,7 @@ def test_compile_smoke_reports_the_first_step_time(monkeypatch):
     from qwentitan.launch.launcher.plan import resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
+    monkeypatch.delenv("QWENTITAN_MLFLOW", raising=False)  # MLflow on by default
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
     runner = _smoke_runner(312.5, None)
     result = checks.check_compile_smoke(plan, runner=runner)
@@ -299,6 +302,8 @@ def test_compile_smoke_reports_the_first_step_time(monkeypatch):
     config = load_config("tiny_dense", overrides)
     assert config.training.steps == 1 and not config.checkpoint.enable
     assert config.dump_folder == command[command.index("--dump-folder") + 1]
+    # MLflow is off through the config, not through an environment variable set here
+    assert not config.metrics.mlflow.enable and "QWENTITAN_MLFLOW" not in runner.envs[0]
 
 
 def test_compile_smoke_fails_a_step_that_falls_back_unless_allowed(monkeypatch):

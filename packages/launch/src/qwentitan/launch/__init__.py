@@ -17,7 +17,7 @@ _LAZY = {
     "Topology": "qwentitan.launch.base.target",
     "get_topology": "qwentitan.launch.base.target",
     "LaunchPlan": "qwentitan.launch.launcher.plan",
-    "ParallelDegrees": "qwentitan.launch.launcher.plan",
+    "ParallelDegrees": "qwentitan.launch.launcher.plan_rules",
     "resolve_plan": "qwentitan.launch.launcher.plan",
     "RESUME_MODES": "qwentitan.launch.launcher.plan",
     "meta_model": "qwentitan.launch.launcher.memory",
