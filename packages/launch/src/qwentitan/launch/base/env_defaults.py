@@ -127,11 +127,6 @@ def compiler_flags() -> str:
     return _value(COMPILER_FLAGS) or ""
 
 
-def compile_cache() -> str | None:
-    """`$TORCH_NEURONX_NEFF_CACHE_DIR` (TorchNeuron's compile cache), or None when unset."""
-    return _value(COMPILE_CACHE)
-
-
 def mlflow_run_id() -> str | None:
     return _value(MLFLOW_RUN_ID)
 
@@ -142,10 +137,6 @@ def cache_root() -> Path:
     if found := _value(CACHE):
         return Path(found)
     return Path(_value("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwentitan"
-
-
-def is_set(name: str) -> bool:
-    return _value(name) is not None
 
 
 def pick(names: tuple[str, ...]) -> dict[str, str]:
