@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qwentitan.checkpoint.files import atomic_file
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import get_topology
@@ -44,6 +43,8 @@ def save_plan(plan: LaunchPlan, path: str | Path) -> Path:
         "plan": plan.to_dict(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    from qwentitan.checkpoint.files import atomic_file  # its package imports torch, for now
+
     with atomic_file(path) as tmp:
         Path(tmp).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return path

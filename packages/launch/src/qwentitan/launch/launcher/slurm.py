@@ -15,7 +15,6 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from qwentitan.checkpoint.files import atomic_file
 from qwentitan.launch.launcher.plan import TRAIN_ENTRY, LaunchPlan
 from qwentitan.launch.launcher.plan_file import save_plan
 
@@ -96,6 +95,8 @@ def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | Non
     executable."""
     path = Path(path)
     plan_file = save_plan(plan, path.with_name(f"{path.stem}.plan.json")).resolve()
+    from qwentitan.checkpoint.files import atomic_file  # its package imports torch, for now
+
     with atomic_file(path) as tmp:
         Path(tmp).write_text(render_sbatch(plan, options, plan_file))
         Path(tmp).chmod(0o755)

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from qwentitan.launch.launcher.flags import whole_number
-from qwentitan.launch.launcher.pilot.compare import PAIRS
-from qwentitan.launch.launcher.pilot.run import PILOT_LR, run_pilot
+from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR
 
 NAME = "pilot"
 HELP = (
@@ -42,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qwentitan.launch.launcher.pilot.run import run_pilot
+
     # MLflow's INFO lines (creating a new sqlite store's tables, migrating it) say nothing a
     # user acts on; its warnings and errors still show.
     logging.getLogger("mlflow").setLevel(logging.WARNING)

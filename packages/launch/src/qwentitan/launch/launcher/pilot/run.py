@@ -26,18 +26,13 @@ from pathlib import Path
 
 from qwentitan.checkpoint.files import atomic_folder
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.pilot.compare import PAIRS, PairResult, compare
+from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR, PairResult, compare
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.recipes import recipe_info
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
 from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
 
 PILOT_EXPERIMENT = "qwentitan-pilot"
-# The tiny recipes' 1e-2 trains fast but spikes now and then (loss 8.3 -> 10.2 at one step
-# in a 20-step run), and that spike magnified the float32 rounding difference between hf and
-# native a thousandfold. The pilot compares paths, so it trains where a step is well
-# conditioned.
-PILOT_LR = 3e-3
 LOCAL_UI = "http://127.0.0.1:5000"  # where `uv run nox -s mlflow_ui` serves a local store
 PLOT = "pilot_losses.png"
 # `--perturb CHILD` starts that child from a copy of its pair's checkpoint with this weight
