@@ -7,13 +7,12 @@ Names load on first use, so that the CLI's `--help` (which lists the pairs) impo
 from importlib import import_module
 from typing import Any
 
-_COMPARE = "qwentitan.launch.launcher.pilot.compare"
+# The pairs are plain data (no torch): imported now, and `compare` names the function, not the
+# submodule of the same name.
+from qwentitan.launch.launcher.pilot.compare import PAIRS, Pair, PairResult, compare
+
 _RUN = "qwentitan.launch.launcher.pilot.run"
 _LAZY = {
-    "PAIRS": _COMPARE,
-    "Pair": _COMPARE,
-    "PairResult": _COMPARE,
-    "compare": _COMPARE,
     "PILOT_EXPERIMENT": _RUN,
     "Pilot": _RUN,
     "child_overrides": _RUN,
@@ -24,7 +23,7 @@ _LAZY = {
     "start_overrides": _RUN,
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["PAIRS", "Pair", "PairResult", "compare", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:
