@@ -168,19 +168,18 @@ def test_bad_dtype_and_shard_size_are_user_errors(make_hf, tmp_path):
 def test_failure_midway_leaves_no_output_and_source_untouched(make_hf, tmp_path, monkeypatch):
     src = make_hf(moe=True, tied=False)
     before = {p.name: p.read_bytes() for p in src.iterdir()}
-    from qwentitan.checkpoint import safetensors_io
+    from qwentitan.checkpoint import dcp_write
 
     calls = {"n": 0}
-    real = safetensors_io.read_into
+    real = dcp_write.copy_range
 
-    def failing(stored, out):
+    def failing(*args):
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError("disk went away")
-        real(stored, out)
+        real(*args)
 
-    monkeypatch.setattr("qwentitan.checkpoint.convert.read_into", failing)
-    monkeypatch.setattr("qwentitan.checkpoint.safetensors_io.read_into", failing)
+    monkeypatch.setattr(dcp_write, "copy_range", failing)
     with pytest.raises(OSError, match="disk went away"):
         to_dcp(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()

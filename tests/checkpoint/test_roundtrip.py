@@ -96,36 +96,46 @@ def test_large_tensors_are_written_as_row_chunks_dcp_reassembles(
     assert verify(src, tmp_path / "dcp").ok
 
 
-@pytest.mark.parametrize("copy_file_range", ["works", "unsupported"])
-def test_pieces_lying_in_the_source_are_copied_file_to_file(
-    make_hf, helpers, tmp_path, monkeypatch, copy_file_range
+@pytest.mark.parametrize("kernel_copy", ["copy_file_range", "sendfile", "neither"])
+def test_every_byte_is_copied_in_the_kernel_both_ways(
+    make_hf, helpers, tmp_path, monkeypatch, kernel_copy
 ):
+    """to-dcp and to-hf copy every tensor byte file to file (copy_file_range, else sendfile,
+    else a buffer), experts included; the results are bitwise the same either way."""
     import errno
     import os
 
-    from qwentitan.checkpoint import dcp_io
-
-    monkeypatch.setattr(dcp_io, "_SPLICE_MIN", 1)  # the tiny model's pieces are all small
     monkeypatch.setattr(convert, "CHUNK_BYTES", 600)  # two experts (several regions) a piece
-    copied = []
-    real = os.copy_file_range
+    copied = {"copy_file_range": 0, "sendfile": 0}
+    real_cfr, real_sendfile = os.copy_file_range, os.sendfile
 
-    def spy(src, dst, count, offset_src, offset_dst):
-        if copy_file_range == "unsupported":
+    def cfr(src, dst, count, offset_src, offset_dst):
+        if kernel_copy != "copy_file_range":
             raise OSError(errno.EXDEV, "no copy between these file systems")
-        got = real(src, dst, count, offset_src, offset_dst)
-        copied.append(got)
+        got = real_cfr(src, dst, count, offset_src, offset_dst)
+        copied["copy_file_range"] += got
         return got
 
-    monkeypatch.setattr(os, "copy_file_range", spy)
+    def sendfile(out, in_, offset, count):
+        if kernel_copy == "neither":
+            raise OSError(errno.EINVAL, "no sendfile here")
+        got = real_sendfile(out, in_, offset, count)
+        if not os.readlink(f"/proc/self/fd/{in_}").endswith(".json"):  # shutil copies configs
+            copied["sendfile"] += got
+        return got
+
+    monkeypatch.setattr(os, "copy_file_range", cfr)
+    monkeypatch.setattr(os, "sendfile", sendfile)
     src = make_hf(moe=True, tied=False)
     to_dcp(src, tmp_path / "dcp")
-    to_dcp_copied, copied[:] = sum(copied), []
+    to_dcp_copied = dict(copied)
+    copied.update({"copy_file_range": 0, "sendfile": 0})
     to_hf(tmp_path / "dcp", tmp_path / "back")
 
     hf = helpers.load_hf(src)
-    if copy_file_range == "works":  # every byte went file to file both ways, experts too
-        assert to_dcp_copied == sum(copied) == sum(t.nbytes for t in hf.values())
+    model_bytes = sum(t.nbytes for t in hf.values())
+    if kernel_copy != "neither":  # every byte of every weight went through the kernel copy
+        assert to_dcp_copied[kernel_copy] == copied[kernel_copy] == model_bytes
     assert verify(src, tmp_path / "dcp").ok
     back = helpers.load_hf(tmp_path / "back")
     assert back.keys() == hf.keys()
@@ -249,25 +259,23 @@ def test_to_hf_reads_a_training_checkpoint_saved_one_file_per_rank(make_hf, help
     assert verify(src, tmp_path / "step-7").ok
 
 
-def test_to_dcp_keeps_at_most_the_budget_in_flight(make_hf, helpers, tmp_path, monkeypatch):
-    from qwentitan.checkpoint import convert, dcp_io
+def test_to_hf_copies_from_a_training_checkpoint_one_file_per_rank(
+    make_hf, helpers, tmp_path, monkeypatch
+):
+    """Records inside one shared file (torchtitan's one file per rank) are located to their data
+    bytes and copied, not loaded through DCP."""
+    import torch.distributed.checkpoint as dcp
 
-    budgets = []
+    from qwentitan.checkpoint import dcp_read
 
-    class Recording(dcp_io.MemoryBudget):
-        def __init__(self, limit):
-            super().__init__(limit)
-            budgets.append(self)
-
-    monkeypatch.setattr(convert, "MEMORY_BUDGET", 1)  # so the largest piece sets the limit
-    monkeypatch.setattr(convert, "CHUNK_BYTES", 600)
-    monkeypatch.setattr(convert.dcp_io, "MemoryBudget", Recording)
     src = make_hf(moe=True, tied=False)
-    to_dcp(src, tmp_path / "dcp")
-    two_experts = 2 * helpers.MOE_FFN * helpers.HIDDEN * 2  # bf16 bytes of one w1_EFD chunk
-    embedding_rows = 18 * helpers.HIDDEN * 2  # 18 rows of 32 bytes fit 600
-    (budget,) = budgets
-    assert budget.limit == max(two_experts, embedding_rows)
-    assert 0 < budget.peak <= budget.limit  # one chunk at a time, never two
-    assert budget._used == 0  # every tensor was retired
-    assert verify(src, tmp_path / "dcp").ok
+    to_dcp(src, tmp_path / "ours")
+    dcp.save(helpers.load_dcp(tmp_path / "ours"), checkpoint_id=tmp_path / "step-1", no_dist=True)
+
+    def no_dcp_load(self, fqn):
+        raise AssertionError(f"{fqn} went through dcp.load")
+
+    monkeypatch.setattr(dcp_read.DCPFolder, "_dcp_load", no_dcp_load)
+    to_hf(tmp_path / "step-1", tmp_path / "back", config=src)
+    before, after = helpers.load_hf(src), helpers.load_hf(tmp_path / "back")
+    assert all(helpers.bitwise_equal(before[k], after[k]) for k in before)

@@ -124,3 +124,19 @@ def test_cli_verify_exit_codes(converted, capsys):
     assert "already exists" in err and "Traceback" not in err
     # The console script the package declares is installed next to this interpreter.
     assert Path(sys.executable).with_name("qwentitan-ckpt").exists()
+
+
+def test_verify_logits_names_the_tensors_holding_nan_or_inf(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(KINDS["dense-untied"]()).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[2, 3] = float("nan")
+        model.model.norm.weight[0] = float("inf")
+    model.save_pretrained(tmp_path / "hf")
+    to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    assert main(["verify", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--logits"]) == 1
+    out = capsys.readouterr().out
+    assert "tolerance nan" not in out
+    assert "logits are NaN or Inf, so they cannot be compared" in out
+    assert "layers.1.feed_forward.w3.weight" in out and "norm.weight" in out
+    assert "result: DIFFERENT" in out

@@ -27,6 +27,7 @@ LAUNCH_LAYER_FOLDERS = ("base", "tracking", "runtime", "recipes", "launcher")
 MAY_IMPORT: dict[str, set[str]] = {
     "base": {"base"},
     "tracking": {"base", "tracking", "qwentitan.checkpoint"},
+    # checkpoint: the trainer checks a resumed `.metadata` with its SafeFileSystemReader
     "runtime": {
         "base",
         "tracking",

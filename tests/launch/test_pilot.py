@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import urllib.parse
-from unittest import mock
 
 import pytest
 from mlflow import MlflowClient
@@ -143,46 +142,104 @@ def test_torchtitans_refusal_is_said_in_its_own_words(overrides, said):
     assert str(refused.value).endswith(said)
 
 
-def test_ctrl_c_waits_for_the_child_train_to_save_and_stop(tmp_path):
-    """The terminal's Ctrl-C reaches the pilot and its `train` alike; the pilot must let the
-    child finish saving (subprocess.run would kill it 0.25 s after)."""
-    saved = tmp_path / "saved"
-    child = (
+def _saving_child(saved, started):
+    """A stand-in for the child `train`: the first SIGINT saves (1 s) and stops; counts them."""
+    return (
         "import signal, sys, time\n"
+        "got = []\n"
         "def stop(*_):\n"
-        "    time.sleep(1.0)  # a checkpoint being written\n"
-        f"    open({str(saved)!r}, 'w').write('step 7')\n"
-        "    sys.exit(130)\n"
+        "    got.append(1)\n"
+        "    if len(got) == 1:\n"
+        "        time.sleep(1.0)  # a checkpoint being written\n"
+        f"        open({str(saved)!r}, 'a').write(f'saved after {{len(got)}} signal(s)')\n"
+        "        sys.exit(130)\n"
         "signal.signal(signal.SIGINT, stop)\n"
-        "print('ready', flush=True)\n"
+        f"open({str(started)!r}, 'a').write('started\\n')\n"
         "time.sleep(60)\n"
     )
-    started = threading.Event()
-    real_popen = subprocess.Popen
 
-    def popen(command, **kwargs):
-        process = real_popen(command, stdout=subprocess.PIPE, text=True, **kwargs)
-        assert process.stdout.readline() == "ready\n"
-        started.process = process
-        started.set()
-        return process
 
+def _ctrl_c_once_started(started, pid):
     def ctrl_c():
-        started.wait(30)
-        time.sleep(0.5)  # the pilot is waiting on its child by now
-        for pid in (started.process.pid, os.getpid()):  # what the terminal does
-            os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGINT)  # the pilot's pid only, or a terminal's Ctrl-C to its group
 
     threading.Thread(target=ctrl_c, daemon=True).start()
-    # Python's own Ctrl-C handler, even where this test runs in a background job (which
-    # starts with SIGINT ignored)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with mock.patch.object(subprocess, "Popen", popen), pytest.raises(KeyboardInterrupt):
-            _train([sys.executable, "-c", child])
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert saved.read_text() == "step 7" and started.process.returncode == 130
+
+
+@pytest.fixture
+def sigint_ignored():
+    """As in a background job or under nox: the pilot must install its own handling."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_to_the_pilot_lets_the_child_save_once_then_stops(tmp_path, sigint_ignored):
+    saved, started = tmp_path / "saved", tmp_path / "started"
+    _ctrl_c_once_started(started, os.getpid())
+    with pytest.raises(KeyboardInterrupt):
+        _train([sys.executable, "-c", _saving_child(saved, started)])
+    assert saved.read_text() == "saved after 1 signal(s)"  # passed on once, not twice
+
+
+def test_ctrl_c_stops_the_whole_pilot_and_ends_its_parent_killed(
+    tmp_path, monkeypatch, sigint_ignored
+):
+    from qwentitan.launch.launcher.pilot import run as pilot_run
+
+    saved, started = tmp_path / "saved", tmp_path / "started"
+    real_popen = subprocess.Popen
+
+    def fake_train(command, **kwargs):  # every child is the stand-in, not a real `train`
+        return real_popen([sys.executable, "-c", _saving_child(saved, started)], **kwargs)
+
+    monkeypatch.setattr(pilot_run, "_start_checkpoint", lambda folder, *_: folder)
+    monkeypatch.setattr(pilot_run.subprocess, "Popen", fake_train)
+    _ctrl_c_once_started(started, os.getpid())
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(KeyboardInterrupt):
+        run_pilot(2, 1, tmp_path / "pilot", uri, experiment="ctrl-c", pairs=["dense"])
+    assert started.read_text() == "started\n"  # no later child started
+    assert saved.read_text() == "saved after 1 signal(s)"
+    client = MlflowClient(uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name("ctrl-c").experiment_id])
+    assert parent.info.status == "KILLED"
+
+
+def test_more_ranks_than_the_host_holds_is_refused_before_anything_is_written(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert (
+        pilot_main(["--ranks", "9999", "--run-dir", str(tmp_path / "p"), "--tracking-uri", uri])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("pilot: --ranks 9999 is more than this") and err.count("\n") == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_safetensors_write_on_a_full_disk_is_one_sentence(tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    def disk_full(flavor, folder, *, seed=0):
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+            'space left on device" })'
+        )
+
+    monkeypatch.setattr(initial_checkpoint, "write_initial_checkpoint", disk_full)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    argv = ["--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri, "--pair", "dense"]
+    assert pilot_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(
+        f"pilot: Could not write the seeded checkpoint {tmp_path / 'pilot' / 'start' / 'tiny-dense'}"
+        " (no space left on the disk); free some space"
+    )
 
 
 def test_a_full_disk_is_one_sentence_exit_2_and_the_parent_run_is_ended(

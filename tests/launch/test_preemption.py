@@ -158,3 +158,48 @@ def test_a_second_sigint_stops_at_once():
         "Stopped at once by a second Ctrl-C, without saving this step; "
         "--resume continues from the last checkpoint.\n"
     )
+
+
+def test_a_rank_stuck_between_step_boundaries_is_ended_by_a_pending_signal():
+    """Data loading (and anything else between two steps) asks `stop_if_overdue`: a signal
+    that has waited too long for a step boundary ends the rank at once, in one line."""
+    script = textwrap.dedent(
+        """
+        import os, signal, time
+        from qwentitan.launch.runtime.preemption import PreemptionWatch, stop_if_overdue
+        watch = PreemptionWatch().install()
+        stop_if_overdue("loading data", seconds=0.2)  # nothing received: goes on
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop_if_overdue("loading data", seconds=0.2)  # received just now: still waits
+        print("waited", flush=True)
+        while True:  # a loop that never reaches a step boundary
+            time.sleep(0.05)
+            stop_if_overdue("loading data", seconds=0.2)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 128 + signal.SIGTERM
+    assert result.stdout == "waited\n"
+    assert result.stderr == (
+        "Stopped by SIGTERM while loading data: no step boundary came within 0.2 s, so this step "
+        "was not saved; --resume continues from the last checkpoint.\n"
+    )
+
+
+def test_reading_data_asks_whether_a_stop_is_overdue(tmp_path, monkeypatch):
+    from qwentitan.launch.runtime.data import loader
+
+    asked = []
+    monkeypatch.setattr(loader, "stop_if_overdue", asked.append)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(3)))
+
+    class Tokens:  # the dataset only asks its tokenizer to encode
+        def encode(self, text, add_bos, add_eos):
+            return [1] * 5
+
+    key = loader._register(loader.resolve_dataset(str(data)), "train", 20)
+    dataset = loader._TextDataset(key, None, Tokens(), seq_len=4, infinite=False)
+    assert len(list(dataset)) == 3 and asked == ["loading data"] * 3

@@ -1,6 +1,8 @@
 """Preflight checks that need no training: the report, the plan-level checks, the weights check."""
 
+import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,60 @@ def test_weights_check_against_the_flavor(tiny_plan, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-8])
     damaged = check_weights(tiny_plan, tmp_path / "good")
     assert damaged.status == "fail" and f"{shard} is truncated or corrupt" in damaged.detail
+
+
+def test_kernels_check_launches_each_op_of_the_recipe_and_names_route_and_difference(monkeypatch):
+    from qwentitan.kernels import numerics
+    from qwentitan.launch.launcher.preflight.checks import check_kernels
+
+    monkeypatch.setenv("QWENTITAN_KERNELS", "attention=reference")  # read when the plan is built
+    plan = resolve_plan("tiny_moe_kernels", instance="cpu", ranks_per_node=1)
+    result = check_kernels(plan)
+    # Every op the model runs, by the route it takes on this host: the reference twins on cpu.
+    assert set(result.figures) == {"rope", "causal_attention", "grouped_experts"}
+    assert {f["route"] for f in result.figures.values()} == {"reference twin"}
+    assert result.status == "pass" and result.figures["rope"]["max_abs_diff"] == 0.0
+    assert result.detail.startswith("rope reference twin 0.00e+00, causal_attention reference twin")
+    monkeypatch.delenv("QWENTITAN_KERNELS")
+    default = check_kernels(resolve_plan("tiny_moe_kernels", instance="cpu", ranks_per_node=1))
+    assert set(default.figures) == {"rope", "grouped_experts"}, "attention stays torchtitan's"
+
+    real = numerics.numerics_report
+
+    def off(*args, **kwargs):
+        report = real(*args, **kwargs)
+        return dataclasses.replace(report, forward_max_abs_diff=0.5)
+
+    monkeypatch.setattr(numerics, "numerics_report", off)
+    failed = check_kernels(plan)
+    assert failed.status == "fail" and "5.00e-01" in failed.detail
+    assert (
+        check_kernels(resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)).status == "skip"
+    )
+
+
+def test_init_ops_check_refuses_trunc_normal_on_a_neuron_plan():
+    from torch import nn
+
+    from qwentitan.launch.launcher.preflight.init_ops import check_init_ops
+
+    plan = resolve_plan("qwen3_moe_kernels")
+    passed = check_init_ops(plan)
+    assert passed.status == "pass" and passed.figures["ops"] == ["normal_", "ones_", "zeros_"]
+    model = plan.config.model_spec.model
+    init = {"weight": partial(nn.init.trunc_normal_, std=0.02)}
+    plan.config.model_spec.model = dataclasses.replace(
+        model, lm_head=dataclasses.replace(model.lm_head, param_init=init)
+    )
+    failed = check_init_ops(plan)
+    assert failed.status == "fail" and "first: lm_head.param_init.weight" in failed.detail
+    assert "trunc_normal_" in failed.figures["ops"]
+    # Only TorchNeuron mishandles it: a cpu plan passes and says why.
+    tiny = resolve_plan("tiny_moe", instance="cpu", ranks_per_node=1)
+    tiny.config.model_spec.model = dataclasses.replace(
+        tiny.config.model_spec.model, lm_head=plan.config.model_spec.model.lm_head
+    )
+    assert check_init_ops(tiny).status == "pass"
+    assert "refused on neuron plans only" in check_init_ops(tiny).detail
+    hf = check_init_ops(resolve_plan("qwen3_4b_hf"))
+    assert hf.status == "skip" and "transformers" in hf.detail

@@ -154,3 +154,8 @@ def test_the_script_runs_under_a_fake_slurm(tmp_path, two_node_plan):
     launch = [line for line in log.read_text().splitlines() if line.startswith("LAUNCH")]
     assert len(launch) == 1
     assert f"run --plan {tmp_path / 'job.plan.json'} --rdzv-endpoint 10.0.0.7:29500" in launch[0]
+
+
+def test_good_slurm_times_pass(two_node_plan):
+    for time in ("30", "30:00", "04:00:00", "2-12", "2-12:30", "2-12:30:00", "UNLIMITED"):
+        assert f"#SBATCH --time={time}" in render_sbatch(two_node_plan, SlurmOptions(time=time))

@@ -118,7 +118,7 @@ def test_damaged_lines_are_skipped_reported_and_the_run_ends(tmp_path, capsys):
     path.write_bytes(b"\n".join(lines))
     damaged = path.read_bytes()
 
-    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 1
+    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 2
     out, err = capsys.readouterr()
     client, run = run_of(uri)
     assert run.info.status == "FINISHED"  # the end record survived
@@ -130,7 +130,8 @@ def test_damaged_lines_are_skipped_reported_and_the_run_ends(tmp_path, capsys):
     )
     assert ours(err) == (
         f"qwentitan-launch sync-mlflow: skipped damaged spool line(s) 3, 4 of run "
-        f"{run.info.run_id}; what they held is not in MLflow, everything else is."
+        f"{run.info.run_id} (not JSON, a value MLflow cannot hold, a file outside the run "
+        "folder, or torn); what they held is not in MLflow, everything else is."
     )
     assert path.read_bytes() == damaged  # input is never modified
     assert load_spool(path).damaged_lines == (3, 4)
@@ -141,15 +142,16 @@ def test_a_spool_without_an_end_leaves_its_run_failed_not_running(tmp_path, caps
     path, _ = write_spool(tmp_path / "run", uri, end=False)
     with path.open("ab") as spool:
         spool.write(b'{"kind": "metrics", "seq": 5, "st')  # the process died mid-write
-    assert cli.main(["sync-mlflow", str(path)]) == 0  # a torn last line is no damage
+    assert cli.main(["sync-mlflow", str(path)]) == 2  # a torn last line is said, not dropped
     out, err = capsys.readouterr()
     client, run = run_of(uri)
-    assert run.info.status == "FAILED" and ours(err) == ""
+    assert run.info.status == "FAILED"
+    assert ours(err).startswith("qwentitan-launch sync-mlflow: skipped damaged spool line(s) 6 ")
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
     assert out.strip().endswith(
         "3 metric points added, 0 already there; 1 params and 0 artifacts added; run ended FAILED"
     )
-    assert cli.main(["sync-mlflow", str(path)]) == 0  # twice: nothing added, still FAILED
+    assert cli.main(["sync-mlflow", str(path)]) == 2  # twice: nothing added, still FAILED
     assert "0 metric points added, 3 already there" in capsys.readouterr().out
     assert run_of(uri)[1].info.status == "FAILED"
 
@@ -163,3 +165,62 @@ def test_a_damaged_first_line_is_refused_in_one_sentence(tmp_path, capsys):
         f"qwentitan-launch sync-mlflow: {path} does not start with a run record"
     )
     assert not (tmp_path / "unused.db").exists()
+
+
+def test_only_files_inside_the_run_folder_are_uploaded_and_bad_values_are_the_spools(
+    tmp_path, capsys
+):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    path, _ = write_spool(run_dir, uri)
+    (run_dir / "reports").mkdir()
+    (run_dir / "reports" / "summary.json").write_text("{}")
+    (run_dir / "reports" / "escape.json").symlink_to(tmp_path / "mlflow.db")
+    bad = [
+        '{"kind":"artifact","seq":9,"file":"/etc/passwd","artifact_path":"reports"}',
+        '{"kind":"artifact","seq":10,"file":"../../../../etc/hostname","artifact_path":"r"}',
+        '{"kind":"artifact","seq":11,"file":"reports/summary.json","artifact_path":"../../x"}',
+        '{"kind":"metrics","seq":12,"step":4,"time_ms":1,"values":{"loss":"str"}}',
+        '{"kind":"metrics","seq":13,"step":1e23,"time_ms":1,"values":{"loss":1.0}}',
+        '{"kind":"artifact","seq":14,"file":"reports/escape.json","artifact_path":"reports"}',
+    ]
+    with path.open("a") as spool:
+        spool.write("\n".join(bad) + "\n")
+    assert cli.main(["sync-mlflow", str(run_dir)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    client, run = run_of(uri)
+    assert ours(err).startswith(
+        f"qwentitan-launch sync-mlflow: skipped damaged spool line(s) 7, 8, 9, 10, 11 of run "
+        f"{run.info.run_id} ("
+    )
+    uploaded = [a.path for a in client.list_artifacts(run.info.run_id, "reports")]
+    assert uploaded == ["reports/summary.json"]  # the link out of the run folder is not
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
+
+
+def test_two_syncs_at_once_into_a_new_sqlite_store(tmp_path):
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'new.db'}"
+    runs = []
+    for name in ("a", "b"):
+        path, _ = write_spool(tmp_path / name, uri)
+        path.write_text(path.read_text().replace("abcdef0123456789", f"key-{name}"))
+        runs.append(tmp_path / name)
+    syncs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "qwentitan.launch.launcher.cli", "sync-mlflow", str(run)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for run in runs
+    ]
+    for sync in syncs:
+        _out, err = sync.communicate(timeout=300)
+        assert sync.returncode == 0 and "Traceback" not in err, err
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("qwentitan-test").experiment_id
+    assert len(client.search_runs([experiment])) == 2

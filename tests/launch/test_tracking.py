@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import socket
 import threading
@@ -235,13 +236,13 @@ def test_sync_mlflow_names_a_missing_folder_in_one_sentence(tmp_path, capsys):
     assert "does not exist" in error and "Traceback" not in error
 
 
-def test_a_torn_last_line_is_ignored_but_a_damaged_middle_is_reported(tmp_path):
+def test_a_torn_last_line_and_a_damaged_middle_are_reported(tmp_path):
     spool = tmp_path / "s.jsonl"
     run = {"kind": "run", "seq": 0, "run_key": "k", "experiment": "e"}
     lines = [json.dumps(run), json.dumps({"kind": "end", "seq": 1, "status": "FINISHED"})]
     spool.write_text(lines[0] + "\n" + lines[1] + "\n" + '{"kind": "metr')
     assert [r["kind"] for r in read_spool(spool)] == ["run", "end"]
-    assert load_spool(spool).damaged_lines == ()
+    assert load_spool(spool).damaged_lines == (3,)
     spool.write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
     assert [r["kind"] for r in read_spool(spool)] == ["run", "end"]
     assert load_spool(spool).damaged_lines == (2,)
@@ -266,3 +267,34 @@ def test_recipes_get_tracking_per_step_and_an_off_switch(monkeypatch):
     assert not tracked_metrics("tiny_moe", "native").mlflow.enable
     monkeypatch.setenv("QWENTITAN_MLFLOW_EXPERIMENT", "mine")
     assert tracked_metrics("tiny_moe", "native").mlflow.experiment == "mine"
+
+
+def test_a_full_spool_disk_costs_one_warning_and_the_spool_never_a_step(
+    tmp_path, sqlite_uri, small_tmpfs, caplog
+):
+    with small_tmpfs(tmp_path / "disk", "8k") as disk:
+        logger = make_logger(disk / "run", sqlite_uri)
+        train_with(logger, steps=40)  # about 1 kB a step: the spool fills within a few
+        logger.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    spool_warnings = [w for w in warnings if "MLflow spool" in w]
+    assert (
+        len(spool_warnings) == 1
+        and "cannot be written (No space left on device)" in (spool_warnings[0])
+    )
+    client = MlflowClient(sqlite_uri)
+    run = client.get_run(logger.writer.run_id)
+    assert run.info.status == "FINISHED"  # MLflow still got every record
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert steps == list(range(1, 41))
+
+
+def test_an_unwritable_spool_folder_costs_one_warning(tmp_path, sqlite_uri, caplog):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "mlflow_spool").write_text("a file where the spool folder goes")
+    logger = make_logger(tmp_path / "run", sqlite_uri)
+    train_with(logger, steps=3)
+    logger.close()
+    assert sum("MLflow spool" in r.getMessage() for r in caplog.records) == 1
+    run = MlflowClient(sqlite_uri).get_run(logger.writer.run_id)
+    assert run.info.status == "FINISHED"

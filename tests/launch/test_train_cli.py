@@ -2,6 +2,7 @@
 sentence (exit code 2) before starting ranks, never deleting an earlier run's checkpoints."""
 
 import json
+import os
 import re
 import sys
 
@@ -119,7 +120,7 @@ def test_too_little_disk_for_the_planned_checkpoints_is_refused(
     with small_tmpfs(tmp_path / "small", "8m") as small:
         message = refused(capsys, "--run-dir", str(small / "run"))
         assert re.fullmatch(
-            rf"{small} has [0-9.]+ MB free but this needs about [0-9.]+ MB; "
+            rf"{small} has 8\.39 MB free but this needs about [0-9.]+ MB; "
             r"free space there or pass another --run-dir\.",
             message,
         ), message
@@ -138,3 +139,76 @@ def test_ctrl_c_before_the_ranks_start_is_one_sentence_and_leaves_no_folder(
     monkeypatch.setattr(run_folder, "check_free_disk", interrupted)
     assert refused(capsys) == "interrupted (Ctrl-C); run it again."
     assert not (tmp_path / "outputs" / "tiny_dense").exists() and not launched
+
+
+def test_a_dataset_too_small_for_the_run_is_refused_before_any_rank(capsys, launched, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"text": "' + "a long single document " * 1000 + '"}\n')
+    run_dir = tmp_path / "run"
+    message = refused(capsys, "--ranks", "1", "--dataset", str(data), "--run-dir", str(run_dir))
+    assert message.startswith(f"Dataset {data} holds 1 document(s) but this run needs at least 20")
+    assert not launched and not run_dir.exists()
+    # Without validation one document feeds one rank.
+    argv = ["--ranks", "1", "--dataset", str(data), "--run-dir", str(run_dir)]
+    assert cli.main(["train", *argv, "--", "--validator.no-enable"]) == 0 and launched
+
+
+def test_a_second_run_into_a_busy_run_folder_is_refused_naming_the_first(
+    capsys, launched, tmp_path
+):
+    from qwentitan.launch.launcher.run_folder import hold_run_folder
+
+    run_dir = tmp_path.resolve() / "run"
+    with hold_run_folder(run_dir, folder_flag="--run-dir"):  # as the first run's launcher does
+        for resume in ([], ["--resume"]):
+            message = refused(capsys, "--run-dir", str(run_dir), *resume)
+            assert re.fullmatch(
+                rf"Run folder {run_dir} is in use by another run \(pid {os.getpid()}, started "
+                r"[0-9-]+ [0-9:]+ UTC\); wait for it to end, or pass another --run-dir\.",
+                message,
+            ), message
+    assert not launched
+    assert cli.main(["train", "--run-dir", str(run_dir)]) == 0 and launched  # free again
+
+
+def test_a_run_dir_that_is_a_file_or_read_only_is_one_sentence(capsys, launched, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("not a folder")
+    message = refused(capsys, "--run-dir", str(file))
+    assert message == f"Run folder {file} is not a folder; pass another --run-dir."
+    message = refused(capsys, "--run-dir", str(file / "run"))
+    assert message.startswith(f"Run folder {file / 'run'} is inside {file}, which is not a folder")
+    if os.geteuid() != 0:  # root writes into read-only folders
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        message = refused(capsys, "--run-dir", str(locked / "run"))
+        assert message.startswith(f"Run folder {locked / 'run'} cannot be written ({locked} is")
+    assert not launched and file.read_text() == "not a folder"
+
+
+def test_a_latest_link_that_loops_is_one_sentence(capsys, launched, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    latest = tmp_path / "outputs" / "tiny_dense" / "latest"
+    latest.parent.mkdir(parents=True)
+    latest.symlink_to("latest")
+    message = refused(capsys, "--resume")
+    assert message.startswith("outputs/tiny_dense/latest is a symbolic link that never reaches")
+    assert not launched
+
+
+def test_free_disk_counts_every_checkpoint_kept_at_once(capsys, launched, tmp_path, small_tmpfs):
+    # 8 steps, a save every 2, two kept: three whole saves of about 150 MiB exist at once.
+    with small_tmpfs(tmp_path / "disk", "420m") as disk:
+        argv = ["--steps", "8", "--run-dir", str(disk / "run"), "--", "--checkpoint.interval", "2"]
+        message = refused(capsys, *argv)
+        assert message.startswith(f"{disk} has 440 MB free but this needs about 4"), message
+        assert not launched
+
+
+def test_a_corrupt_tokenizer_is_one_sentence(capsys, launched, tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ')
+    message = refused(capsys, "--tokenizer", str(folder), "--run-dir", str(tmp_path / "run"))
+    assert message.startswith(f"Tokenizer folder {folder} cannot be loaded (")
+    assert not launched

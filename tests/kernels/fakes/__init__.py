@@ -1,8 +1,8 @@
 """Fakes of the Neuron packages, installed in `sys.modules` so the real loader code runs.
 
-`install(monkeypatch, version)` puts a fake `nki`, `torch_neuronx` (its `wrap_nki` only) and
-an nki-library of `version` in `sys.modules` for one test; see each module for the public
-source it was written from. Kernel tests import nothing else of the Neuron SDK.
+`install(monkeypatch, version, torch_neuronx_version, has_wrap_nki)` puts a fake `nki`,
+`torch_neuronx` and an nki-library of `version` in `sys.modules` for one test; see each module
+for the public source it was written from. Kernel tests import nothing else of the Neuron SDK.
 """
 
 from __future__ import annotations
@@ -12,18 +12,27 @@ import types
 
 import pytest
 
-from . import nki, nkilib, torch_neuronx
+from . import language, nki, nkilib, torch_neuronx
 
-VERSIONS = (*nkilib.SHARD_OPTIONS, "2.27")
+# How each torch-neuronx stand-in launches: (version, has wrap_nki).
+TORCH_NEURONX = {
+    "documented": (torch_neuronx.DOCUMENTED, False),
+    "documented-with-wrap_nki": (torch_neuronx.DOCUMENTED, True),
+    "april-source": (torch_neuronx.APRIL_SOURCE, True),
+}
 
 
-def install(monkeypatch: pytest.MonkeyPatch, version: str = "2.29") -> dict[str, nki.JitKernel]:
+def install(
+    monkeypatch: pytest.MonkeyPatch, version: str = "2.29", host: str = "documented"
+) -> dict[str, nki.JitKernel]:
     """Install the fakes; returns {kernel name: fake jit kernel} to inspect its calls.
+
+    `host` is one of TORCH_NEURONX: the torch-neuronx stand-in and whether it has `wrap_nki`.
 
     "2.27" has attention_cte only: rope_hf, attention_bwd and the MoE kernels arrived in
     nki-library 2.28 (compare the release branches 2.27 and 2.28 of aws-neuron/nki-library).
     """
-    library = nkilib.build("2.29" if version == "2.27" else version)
+    library = nkilib.build()
     if version == "2.27":
         library = {k: v for k, v in library.items() if k.endswith("attention_cte")}
     modules: dict[str, types.ModuleType] = {}
@@ -39,7 +48,11 @@ def install(monkeypatch: pytest.MonkeyPatch, version: str = "2.29") -> dict[str,
     for name in [m for m in sys.modules if m.split(".")[0] in ("nki", "nkilib", "torch_neuronx")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "nki", nki)
-    monkeypatch.setitem(sys.modules, "torch_neuronx", torch_neuronx)
+    monkeypatch.setitem(sys.modules, "nki.language", language)
+    tnx_version, has_wrap_nki = TORCH_NEURONX[host]
+    monkeypatch.setitem(
+        sys.modules, "torch_neuronx", torch_neuronx.build(tnx_version, has_wrap_nki=has_wrap_nki)
+    )
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return {

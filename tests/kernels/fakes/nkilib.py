@@ -14,7 +14,9 @@ and computes its result in float64 the way the library's own torch reference doe
 | `blockwise_mm_bwd` (experimental/moe/bwd/blockwise_mm_backward.py) | `blockwise_mm_bwd_torch_ref` (test/integration/nkilib/experimental/moe/test_bwmm_bwd_common.py) |
 
 `moe_cte` is a trace-mode sub-kernel and `blockwise_mm_bwd` a top-level `@nki.jit` kernel
-there; the enums differ between library versions, so `build(version)` makes one set.
+there; `build()` makes one set (the enums are classes, fresh per test). Both MoE kernels round
+their matmul outputs through `compute_dtype` (default bfloat16, as in the library), so a caller
+that does not pass the activations' dtype gets bfloat16 numbers back.
 """
 
 from __future__ import annotations
@@ -26,16 +28,16 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import nki
+from . import language, nki
 
-# ShardOption members per library version. 2.28, 2.29 and main (April 2026) have the same four
-# (experimental/moe/bwd/moe_bwd_parameters.py); "shard-on-free" stands for a build that also
-# has SHARD_ON_FREE, the member an earlier wrapper assumed.
-SHARD_OPTIONS = {
-    "2.29": ("AUTO", "SHARD_ON_HIDDEN", "SHARD_ON_INTERMEDIATE", "BASELINE_LNC1"),
-    "shard-on-free": ("AUTO", "SHARD_ON_FREE", "SHARD_ON_HIDDEN"),
-    "no-usable-shard-option": ("AUTO", "BASELINE_LNC1"),
-}
+# ShardOption of nki-library 2.28, 2.29 and main (April 2026),
+# experimental/moe/bwd/moe_bwd_parameters.py. blockwise_mm_bwd takes it and never reads it.
+SHARD_OPTIONS = ("AUTO", "SHARD_ON_HIDDEN", "SHARD_ON_INTERMEDIATE", "BASELINE_LNC1")
+
+
+def _round(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """float64 rounded through the kernel's compute_dtype, as its matmul outputs are."""
+    return x.to(compute_dtype).double()
 
 
 def rope_hf(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False):
@@ -45,9 +47,14 @@ def rope_hf(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=Fa
     assert (rope_cache is None) != (cos is None and sin is None), "one cache form only"
     _, _, seq, dim = q.shape
     assert seq % (128 * nki.num_programs()) == 0, "seq_len % (128 * num_lnc_shards) == 0"
-    assert rope_cache.dim() == 2 and rope_cache.shape[1] == 2 * dim and rope_cache.shape[0] >= seq
-    assert rope_cache.dtype == q.dtype
-    cos, sin = rope_cache[:seq, :dim].double(), rope_cache[:seq, dim:].double()
+    # [optional(batch), seq, 2 * head_dim], cos first (core/embeddings/rope_hf.py docstring;
+    # rope_hf_torch.py broadcasts a 2-D cache over the batch, a 3-D one is read per sample).
+    assert rope_cache.dim() in (2, 3) and rope_cache.shape[-1] == 2 * dim
+    assert rope_cache.dim() == 2 or rope_cache.shape[0] == q.shape[0], "one table per sample"
+    assert rope_cache.shape[-2] >= seq and rope_cache.dtype == q.dtype
+    table = rope_cache if rope_cache.dim() == 3 else rope_cache[None]
+    cos = table[:, None, :seq, :dim].double()
+    sin = table[:, None, :seq, dim:].double()
     half = dim // 2
 
     def rotate(x):
@@ -193,8 +200,8 @@ def _blocks(tpid, b2e, block_size):
         yield n, expert, tpid[n * block_size : (n + 1) * block_size].long()
 
 
-def build(version: str = "2.29") -> dict[str, types.SimpleNamespace]:
-    """The fake library of `version`: {module path: namespace of its public names}."""
+def build() -> dict[str, types.SimpleNamespace]:
+    """The fake library: {module path: namespace of its public names}."""
 
     class MoECTEImplementation(enum.Enum):
         shard_on_block = 0
@@ -226,7 +233,7 @@ def build(version: str = "2.29") -> dict[str, types.SimpleNamespace]:
         shard_on_block: object = None
         shard_on_I: ShardOnIConfig | None = None
 
-    ShardOption = enum.Enum("ShardOption", SHARD_OPTIONS[version], start=0)
+    ShardOption = enum.Enum("ShardOption", SHARD_OPTIONS, start=0)
 
     class AffinityOption(enum.Enum):
         AFFINITY_ON_H = 0
@@ -254,7 +261,7 @@ def build(version: str = "2.29") -> dict[str, types.SimpleNamespace]:
         down_activations=None,
         activation_function=ActFnType.SiLU,
         skip_dma=None,
-        compute_dtype="bfloat16",
+        compute_dtype=language.bfloat16,
         is_tensor_update_accumulating=True,
         expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
         gate_clamp_upper_limit=None,
@@ -292,10 +299,10 @@ def build(version: str = "2.29") -> dict[str, types.SimpleNamespace]:
             x = x_all[ids]
             if not post and expert_affinities_scaling_mode != ExpertAffinityScaleMode.NO_SCALE:
                 x = x * affinity[ids, e][:, None]
-            pre = x @ w_gate_up[e].reshape(hidden, 2 * inter)
+            pre = _round(x @ w_gate_up[e].reshape(hidden, 2 * inter), compute_dtype)
             gate, up = pre.view(block_size, 2, inter).unbind(1)
             gate_up_t[b] = torch.stack([gate.T, up.T])
-            down_act[b] = (F.silu(gate) * up) @ w_down[e]
+            down_act[b] = _round((F.silu(gate) * up) @ w_down[e], compute_dtype)
             scaled = down_act[b] * affinity[ids, e][:, None] if post else down_act[b]
             out.index_add_(0, ids, scaled)
         dtype = hidden_states.dtype
@@ -318,9 +325,9 @@ def build(version: str = "2.29") -> dict[str, types.SimpleNamespace]:
         output_hidden_states_grad,
         block_size,
         skip_dma=None,
-        compute_dtype="bfloat16",
+        compute_dtype=language.bfloat16,
         is_tensor_update_accumulating=True,
-        shard_option=ShardOption.AUTO,
+        shard_option=ShardOption.SHARD_ON_HIDDEN,
         affinity_option=AffinityOption.AFFINITY_ON_H,
         kernel_type_option=KernelTypeOption.DROPLESS,
         clamp_limits=None,
@@ -328,8 +335,8 @@ def build(version: str = "2.29") -> dict[str, types.SimpleNamespace]:
         activation_type=ActFnType.SiLU,
         block_tile_size=None,
     ):
-        assert isinstance(shard_option, ShardOption), "shard_option of this library's ShardOption"
-        assert affinity_option == AffinityOption.AFFINITY_ON_H, "POST_SCALE: affinity on H"
+        # shard_option and affinity_option are accepted and never read (blockwise_mm_backward.py
+        # builds MOEBwdParameters without them, 2.28 and main).
         assert kernel_type_option == KernelTypeOption.DROPLESS and not bias
         assert activation_type == ActFnType.SiLU and clamp_limits is None
         _, inter, affinity = _moe_inputs(
@@ -366,7 +373,7 @@ def build(version: str = "2.29") -> dict[str, types.SimpleNamespace]:
             gate, up = gate_up_proj_act_checkpoint_T[b].double().transpose(1, 2).unbind(0)
             sig = torch.sigmoid(gate)
             d_down[e] += (gate * sig * up).T @ g_down
-            d_act = g_down @ w_down[e].T
+            d_act = _round(g_down @ w_down[e].T, compute_dtype)
             d_gate = d_act * up * sig * (1 + gate * (1 - sig))
             d_up = d_act * gate * sig
             x = x_all[ids]

@@ -1,39 +1,29 @@
-"""A fake `torch_neuronx` with only what the kernel side uses: `wrap_nki`.
+"""A fake `torch_neuronx` with only what the kernel side uses: its version and `wrap_nki`.
 
-Written from TorchNeuron's Python source (`torch_neuronx/nki_hop.py` and
-`torch_neuronx/nki_kernel.py`, public mirror `parmoham-aws/test-repo-parmoham`):
-- `wrap_nki(kernel)` reads the jit kernel's `.sign` and `.func` and returns a caller whose
-  grid starts empty;
-- `caller[grid]` converts the grid with `tuple(map(int, grid))`: a bare int is not a grid;
-- a call merges positional and keyword arguments by the kernel's parameter names, fills the
-  defaults, and hands tensors to the kernel while every other argument becomes a compile-time
-  constant that must be hashable (it keys the kernel cache), so a mutable dataclass such as
-  nki-library's `MoECTESpec` cannot cross this boundary.
+`build(version, wrap_nki)` makes one. A release SDK 2.33 documents (2.13 / 2.14) runs a plain
+`@nki.jit` call on neuron tensors (fake `nki.JitKernel.__call__`); whether it still has
+`wrap_nki` no 2.33 page says, so the default stand-in has none. "0.1.0" stands for the April
+2026 source (public mirror `parmoham-aws/test-repo-parmoham`), which launches through
+`wrap_nki` only. Rules of `wrap_nki`, from that source:
+- `wrap_nki(kernel)` reads the jit kernel's `.sign` and `.func` and returns a caller whose grid
+  starts empty (`torch_neuronx/nki_hop.py`, `wrap_nki`);
+- `caller[grid]` converts the grid with `tuple(map(int, grid))`: a bare int is not a grid
+  (`NKIHOPCaller.__getitem__`);
+- a call merges positional and keyword arguments, then builds the argument list from the
+  kernel's parameter names only, so an unknown keyword is dropped silently, and fills a
+  missing one from the defaults, a KeyError if it has none (`NKIHOPCaller.__call__`);
+- every non-tensor argument becomes a compile-time constant that must be hashable, else
+  RuntimeError (`torch_neuronx/nki_kernel.py`), so nki-library's mutable `MoECTESpec` cannot
+  cross this boundary.
 Tensors on cpu stand for `neuron` tensors here; the kernel runs once through the fake `nki`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import types
 from typing import Any
 
-import torch
-
 from . import nki
-
-
-def _constant_key(value: Any, name: str) -> Any:
-    if isinstance(value, (str, torch.Tensor)):
-        return value if isinstance(value, str) else (tuple(value.shape), value.dtype)
-    if isinstance(value, Sequence):
-        return tuple(_constant_key(v, f"{name}[{i}]") for i, v in enumerate(value))
-    if isinstance(value, dict):
-        return tuple((k, _constant_key(v, f"{name}[{k}]")) for k, v in sorted(value.items()))
-    if not isinstance(value, Hashable):
-        raise TypeError(
-            f"wrap_nki: argument {name!r} of type {type(value).__name__} is not hashable"
-        )
-    return value
 
 
 class NKIHOPCaller:
@@ -51,16 +41,12 @@ class NKIHOPCaller:
         return NKIHOPCaller(self.kernel, tuple(map(int, grid)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        merged = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
-        unknown = set(merged) - set(self.arg_names)
-        if unknown:
-            raise TypeError(f"{self.kernel.__name__} got unexpected arguments {sorted(unknown)}")
-        for name in self.arg_names:
-            if name not in merged:
-                if name not in self.defaults:
-                    raise TypeError(f"{self.kernel.__name__} is missing argument {name!r}")
-                merged[name] = self.defaults[name]
-        hash(tuple(_constant_key(merged[name], name) for name in self.arg_names))
+        given = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+        merged = {
+            name: given[name] if name in given else self.defaults[name] for name in self.arg_names
+        }
+        for name, value in merged.items():
+            nki.constant_key(value, name)
         return nki.run_traced(self.kernel, self.grid, merged)
 
 
@@ -68,3 +54,17 @@ def wrap_nki(nki_kernel: Any, **_kwargs: Any) -> NKIHOPCaller:
     if not isinstance(nki_kernel, nki.JitKernel):
         raise AttributeError("wrap_nki takes an nki.jit kernel (it reads .sign and .func)")
     return NKIHOPCaller(nki_kernel)
+
+
+DOCUMENTED = "2.14.3.0"
+APRIL_SOURCE = "0.1.0"
+
+
+def build(version: str = DOCUMENTED, *, has_wrap_nki: bool = False) -> types.ModuleType:
+    """A fake torch_neuronx module of `version`, with `wrap_nki` when asked."""
+    module = types.ModuleType("torch_neuronx")
+    module.__version__ = version
+    module.HANDLES_JIT_CALLS = version != APRIL_SOURCE
+    if has_wrap_nki:
+        module.wrap_nki = wrap_nki
+    return module

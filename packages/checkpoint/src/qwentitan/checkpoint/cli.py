@@ -1,4 +1,7 @@
-"""`qwentitan-ckpt {to-dcp,to-hf,verify}`: the three verbs, user errors as one line and exit 2."""
+"""`qwentitan-ckpt {to-dcp,to-hf,verify}`: the three verbs, user errors as one line and exit 2.
+
+Each verb imports only what it runs: the parser and `--help` need no torch.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,20 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
-from qwentitan.checkpoint.convert import to_dcp, to_hf
 from qwentitan.checkpoint.errors import CheckpointError
-from qwentitan.checkpoint.layout import DTYPES
-from qwentitan.checkpoint.verify import verify
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the fix, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`.\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="qwentitan-ckpt",
         description="Convert Qwen3 weights between Hugging Face safetensors and torch DCP "
         "(torchtitan's layout), streaming, and verify them bit for bit.",
@@ -30,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="DCP folder (to-dcp output or a torchtitan step-N folder)")
     p.add_argument("dst", help="Hugging Face folder to create")
     p.add_argument("--config", help="config.json, or its folder (default: SRC/config.json)")
-    p.add_argument("--dtype", choices=list(DTYPES), help="export dtype (default: as stored)")
+    p.add_argument(
+        "--dtype", help="export dtype: bfloat16, float32 or float16 (default: as stored)"
+    )
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB (default)")
     p.add_argument(
         "--allow-overflow",
@@ -70,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "verify":
+        from qwentitan.checkpoint.verification import verify
+
+        report = verify(args.hf_dir, args.dcp_dir, logits=args.logits)
+        print(report.format())
+        return 0 if report.ok else 1
+    from qwentitan.checkpoint.convert import to_dcp, to_hf
+
     if args.command == "to-dcp":
         out = to_dcp(args.src, args.dst, overwrite=args.overwrite)
     elif args.command == "to-hf":
@@ -82,10 +100,6 @@ def _run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             allow_overflow=args.allow_overflow,
         )
-    else:
-        report = verify(args.hf_dir, args.dcp_dir, logits=args.logits)
-        print(report.format())
-        return 0 if report.ok else 1
     print(f"wrote {out}")
     return 0
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from qwentitan.checkpoint import dcp_io
+from qwentitan.checkpoint import dcp_read, dcp_write
 from qwentitan.checkpoint.disk import differing_elements, nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
 from qwentitan.checkpoint.layout import (
@@ -25,7 +25,7 @@ from qwentitan.checkpoint.layout import (
     read_config,
 )
 from qwentitan.checkpoint.output import byte_progress, check_destination, staged_folder
-from qwentitan.checkpoint.safetensors_io import HFFolder, ShardedWriter, parse_size, read_into
+from qwentitan.checkpoint.safetensors_io import HFFolder, ShardedWriter, parse_size
 
 # Disk-bound work: a few threads keep the disk busy; more only add memory.
 THREADS = max(2, min(4, os.cpu_count() or 2))
@@ -52,7 +52,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     check_hf_tensors(hf, layout, config_file)
 
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    producers = {}
+    sources: dict[str, dcp_write.Source] = {}
     aliases: dict[str, str] = {}  # the tied lm_head: same bytes as the embedding, stored once
     first_of: dict[tuple[str, ...], str] = {}
     for t in layout.titan_tensors():
@@ -62,7 +62,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         first_of[t.hf_names] = t.name
         if not t.hf_names:  # expert_bias_E: torchtitan's load-balancing buffer starts at zero
             specs[t.name] = (t.shape, torch.float32)
-            producers[t.name] = _zeros
+            sources[t.name] = _zeros
             continue
         dtypes = {hf.tensors[n].dtype for n in t.hf_names}
         if len(dtypes) != 1:
@@ -71,28 +71,23 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
                 f"{src}; re-save the checkpoint in one dtype."
             )
         specs[t.name] = (t.shape, dtypes.pop())
-        producers[t.name] = _producer(hf, t, specs[t.name][1])
+        sources[t.name] = _source(hf, t, specs[t.name][1])
 
     total = sum(nbytes_of(s, d) for s, d in specs.values())
-    pieces = [
-        nbytes_of((stop - start, *s[1:]), d)
-        for s, d in specs.values()
-        for start, stop in dcp_io.row_chunks(s, d, CHUNK_BYTES)
-    ]
-    needs = _space_needed(total, len(pieces))
+    files = sum(len(pieces) for pieces in dcp_write.plan(specs, CHUNK_BYTES).values())
+    needs = _space_needed(total, files)
     check_destination(src, dst, overwrite, kind="dcp", needs=needs)
     with (
         staged_folder(dst, needs) as tmp,
         byte_progress(f"to-dcp {src.name}", total) as advance,
     ):
-        dcp_io.save(
+        dcp_write.write(
             tmp,
             specs,
-            producers,
-            threads=THREADS,
-            budget=dcp_io.MemoryBudget(max(MEMORY_BUDGET, *pieces)),
-            on_written=advance,
+            sources,
             chunk_bytes=CHUNK_BYTES,
+            threads=THREADS,
+            on_written=advance,
             aliases=aliases,
         )
         for name in _SIDE_FILES:
@@ -101,25 +96,21 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     return dst
 
 
-def _zeros(start: int, stop: int, out: torch.Tensor) -> None:
-    out.zero_()
+def _zeros(start: int, stop: int) -> None:
+    return None
 
 
-def _producer(hf: HFFolder, t: TitanTensor, dtype: torch.dtype) -> dcp_io.Producer:
-    """Rows [start, stop) of `t`: where they lie in the source files, which DCP's writer copies
-    file to file; stacked experts are also read into `out`, in case it cannot."""
+def _source(hf: HFFolder, t: TitanTensor, dtype: torch.dtype) -> dcp_write.Source:
+    """Where rows [start, stop) of `t` lie in the source files: one region of a plain tensor,
+    or one region per expert of a stacked one."""
+    if t.stacked:
+        experts = [hf.tensors[name] for name in t.hf_names]
+        return lambda start, stop: [(e.file, e.start, e.nbytes) for e in experts[start:stop]]
+    stored = hf.tensors[t.hf_names[0]]
     row_bytes = nbytes_of(t.shape[1:], dtype)
-
-    def produce(start: int, stop: int, out: torch.Tensor) -> dcp_io.FileBytes:
-        if t.stacked:
-            experts = [hf.tensors[name] for name in t.hf_names[start:stop]]
-            for e, stored in enumerate(experts):
-                read_into(stored, out[e])
-            return dcp_io.FileBytes(tuple((s.file, s.start, s.nbytes) for s in experts))
-        stored = hf.tensors[t.hf_names[0]]
-        return dcp_io.FileBytes(((stored.file, stored.start + start * row_bytes, out.nbytes),))
-
-    return produce
+    return lambda start, stop: [
+        (stored.file, stored.start + start * row_bytes, (stop - start) * row_bytes)
+    ]
 
 
 def check_hf_tensors(hf: HFFolder, layout: Qwen3Layout, config_file: Path) -> None:
@@ -145,6 +136,8 @@ def check_hf_tensors(hf: HFFolder, layout: Qwen3Layout, config_file: Path) -> No
                 f"tensor {name!r} in {stored.file} is {_dtype_name(stored.dtype)}, but model "
                 "weights are floating point; re-export the checkpoint with floating-point weights."
             )
+    if layout.tie_word_embeddings and "lm_head.weight" in hf.tensors:
+        _check_hf_tied_head(hf, config_file)
     missing = [n for n in expected if n not in hf.tensors]
     if missing:
         raise CheckpointError(
@@ -152,6 +145,31 @@ def check_hf_tensors(hf: HFFolder, layout: Qwen3Layout, config_file: Path) -> No
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             + f" that {config_file} requires; download the missing shard or pass the matching "
             "config.json."
+        )
+
+
+def _check_hf_tied_head(hf: HFFolder, config_file: Path) -> None:
+    """A tied config stores no lm_head: refuse a folder whose head is not its embedding."""
+    head, embedding = hf.tensors["lm_head.weight"], hf.tensors["model.embed_tokens.weight"]
+    numel = 1
+    for s in head.shape:
+        numel *= s
+    differing = numel
+    if head.shape == embedding.shape and head.dtype == embedding.dtype:
+        differing = 0
+        rows = head.shape[0] if head.shape else 1
+        step = max(1, (CHUNK_BYTES // max(head.nbytes // max(rows, 1), 1)))
+        for start in range(0, rows, step):
+            region = (slice(start, min(start + step, rows)),)
+            differing += differing_elements(
+                hf.read_region(head.name, region), hf.read_region(embedding.name, region)
+            )
+    if differing:
+        raise CheckpointError(
+            f"{config_file} sets tie_word_embeddings=true but {hf.path} holds an lm_head.weight "
+            f"that differs from model.embed_tokens.weight ({differing} of {numel} elements), "
+            "which the conversion would drop; set tie_word_embeddings to false in config.json "
+            "if the head was trained apart, or remove lm_head.weight."
         )
 
 
@@ -175,7 +193,7 @@ def to_hf(
     embedding is refused); optimizer and other training state in the DCP folder are ignored.
     """
     src, dst = Path(src), Path(dst)
-    ckpt = dcp_io.DCPFolder(src)
+    ckpt = dcp_read.DCPFolder(src)
     if config is None:
         if not (src / "config.json").is_file():
             raise CheckpointError(
@@ -200,18 +218,18 @@ def to_hf(
     total = sum(nbytes_of(s, d) for _, d, s in entries)
     needs = _space_needed(total, len(entries))
     check_destination(src, dst, overwrite, kind="hf", needs=needs)
-    budget = dcp_io.MemoryBudget(MEMORY_BUDGET)
+    budget = dcp_read.MemoryBudget(MEMORY_BUDGET)
     dropped_bias: set[str] = set()
     losses = _CastLosses(export_dtype, allow_overflow, src)
 
-    def export(t: TitanTensor, rows: dcp_io.Rows) -> None:
+    def export(t: TitanTensor, rows: dcp_read.Rows) -> None:
         # One piece at a time: a row chunk of the DCP (a training job's dim-0 shard, or what
         # to_dcp wrote), else the whole tensor; experts stacked on dim 0 unstack per chunk.
         shape = ckpt.tensors[t.name][0]
         piece = (rows.stop - rows.start, *shape[1:])
         cast = 0 if export_dtype is None else nbytes_of(piece, export_dtype)
-        offset = None if export_dtype is not None or not t.hf_names else ckpt.data_offset(rows)
-        if offset is not None and copy_file_to_file(t, rows, shape, offset):
+        if export_dtype is None and t.hf_names and rows.file is not None:
+            copy_file_to_file(t, rows, shape)
             return
         with budget.hold(rows.cost + cast):
             value = ckpt.load_rows(rows)
@@ -231,16 +249,15 @@ def to_hf(
                 writer.write(t.hf_names[0], value, offset=at)
                 advance(value.nbytes)
 
-    def copy_file_to_file(t: TitanTensor, rows: dcp_io.Rows, shape, offset: int) -> bool:
-        # The piece's bytes lie as they are in its DCP file: no load, no copy through memory.
+    def copy_file_to_file(t: TitanTensor, rows: dcp_read.Rows, shape) -> None:
+        # The piece's bytes lie as they are in its DCP file: no load, copied in the kernel.
         dtype = ckpt.tensors[t.name][1]
         if not t.stacked:
             nbytes = nbytes_of((rows.stop - rows.start, *shape[1:]), dtype)
             at = rows.start * nbytes_of(shape[1:], dtype)
-            if not writer.copy(t.hf_names[0], rows.file, offset, nbytes, at):
-                return False
+            writer.copy(t.hf_names[0], rows.file, rows.data, nbytes, at)
             advance(nbytes)
-            return True
+            return
         expert = nbytes_of(shape[1:], dtype)
         names = t.hf_names[rows.start : rows.stop]
         # Experts lie one after another in the shard as in the chunk: one copy per unbroken run.
@@ -250,13 +267,9 @@ def to_hf(
             while j < len(names) and writer.follows(names[j], names[j - 1]):
                 j += 1
             nbytes = (j - i) * expert
-            if not writer.copy(names[i], rows.file, offset + i * expert, nbytes):
-                if i:
-                    raise RuntimeError(f"copy_file_range stopped working midway at {names[i]}")
-                return False
+            writer.copy(names[i], rows.file, rows.data + i * expert, nbytes)
             advance(nbytes)
             i = j
-        return True
 
     with (
         staged_folder(dst, needs) as tmp,
@@ -333,7 +346,7 @@ class _CastLosses:
                 )
 
 
-def check_tied_head(ckpt: dcp_io.DCPFolder, config_file: Path) -> None:
+def check_tied_head(ckpt: dcp_read.DCPFolder, config_file: Path) -> None:
     """A tied config exports no lm_head: refuse a DCP whose head is not the embedding."""
     head, embedding = "lm_head.weight", "tok_embeddings.weight"
     if ckpt.storage.get(head) == ckpt.storage.get(embedding):
@@ -372,7 +385,7 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def check_dcp_tensors(
-    ckpt: dcp_io.DCPFolder, layout: Qwen3Layout, config_file: Path
+    ckpt: dcp_read.DCPFolder, layout: Qwen3Layout, config_file: Path
 ) -> list[TitanTensor]:
     """The DCP holds exactly the model config.json describes, shape for shape."""
     tensors = layout.titan_tensors()

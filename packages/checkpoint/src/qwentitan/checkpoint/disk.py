@@ -28,27 +28,60 @@ def differing_elements(a: torch.Tensor, b: torch.Tensor) -> int:
     return 0 if torch.equal(x, y) else int((x != y).any(dim=1).sum())
 
 
-def copy_range(src: Path, dst_fd: int, offset: int, nbytes: int, at: int, fix: str) -> bool:
-    """Copy `nbytes` from byte `offset` of file `src` to byte `at` of `dst_fd`, in the kernel
-    (copy_file_range); False, having written nothing, where the two file systems cannot.
+def copy_range(src: Path, dst_fd: int, offset: int, nbytes: int, at: int, fix: str) -> None:
+    """Copy `nbytes` from byte `offset` of file `src` to byte `at` of `dst_fd` in the kernel:
+    copy_file_range (a reflink or an in-kernel copy), else sendfile where the two file systems
+    refuse it, else through a small buffer. The bytes never pass through Python objects.
 
     A source that ends early was truncated during the run: a CheckpointError ending in `fix`.
     """
-    done = 0
     with open(src, "rb", buffering=0) as f:
+        done = _copy_file_range(f.fileno(), dst_fd, offset, nbytes, at)
+        if done < nbytes:
+            done += _sendfile(f.fileno(), dst_fd, offset + done, nbytes - done, at + done)
         while done < nbytes:
-            try:
-                got = os.copy_file_range(
-                    f.fileno(), dst_fd, nbytes - done, offset + done, at + done
-                )
-            except OSError:
-                if done:
-                    raise
-                return False
+            chunk = os.pread(f.fileno(), min(nbytes - done, 1 << 20), offset + done)
+            if not chunk:
+                break
+            written = 0
+            while written < len(chunk):
+                written += os.pwrite(dst_fd, chunk[written:], at + done + written)
+            done += len(chunk)
+    if done < nbytes:
+        raise CheckpointError(
+            f"{src} ended while copying from it; the file was truncated during conversion, {fix}."
+        )
+
+
+def _copy_file_range(src_fd: int, dst_fd: int, offset: int, nbytes: int, at: int) -> int:
+    done = 0
+    while done < nbytes:
+        try:
+            got = os.copy_file_range(src_fd, dst_fd, nbytes - done, offset + done, at + done)
+        except OSError:  # not between these file systems (EXDEV, EINVAL, ENOSYS, ...)
+            return done
+        if not got:
+            break
+        done += got
+    return done
+
+
+def _sendfile(src_fd: int, dst_fd: int, offset: int, nbytes: int, at: int) -> int:
+    # sendfile writes at the file position: a private one, since threads share `dst_fd`.
+    try:
+        out = os.open(f"/proc/self/fd/{dst_fd}", os.O_WRONLY)
+    except OSError:
+        return 0
+    done = 0
+    try:
+        os.lseek(out, at, os.SEEK_SET)
+        while done < nbytes:
+            got = os.sendfile(out, src_fd, offset + done, nbytes - done)
             if not got:
-                raise CheckpointError(
-                    f"{src} ended while copying from it; the file was truncated during "
-                    f"conversion, {fix}."
-                )
+                break
             done += got
-    return True
+    except OSError:
+        pass
+    finally:
+        os.close(out)
+    return done

@@ -27,9 +27,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from qwentitan.checkpoint.dcp_io import METADATA
+from qwentitan.checkpoint.dcp_metadata import METADATA
 from qwentitan.checkpoint.errors import CheckpointError
-from qwentitan.checkpoint.files import format_size
+from qwentitan.checkpoint.files import disk_room
 from qwentitan.checkpoint.safetensors_io import INDEX, SINGLE
 
 # What a folder of each kind may hold and still be replaced by --overwrite: its own files only.
@@ -45,6 +45,14 @@ def check_destination(src: Path, dst: Path, overwrite: bool, *, kind: str, needs
     """Refuse, before anything is written, a destination that would clobber work or the
     source, that cannot be written, or whose file system lacks the `needs` bytes; remove the
     partial outputs that killed runs to `dst` left behind."""
+    for path in (src, dst):
+        try:
+            path.resolve()
+        except (RuntimeError, OSError):  # RuntimeError before Python 3.13, ELOOP after
+            raise CheckpointError(
+                f"{path} is a symbolic link loop (or passes through one); remove the link or "
+                "choose another path."
+            ) from None
     src_r, dst_r = src.resolve(), dst.resolve()
     if dst_r == src_r or src_r in dst_r.parents:
         raise CheckpointError(
@@ -72,9 +80,8 @@ def check_destination(src: Path, dst: Path, overwrite: bool, *, kind: str, needs
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CheckpointError(f"cannot write {dst}: {_unwritable(folder)}; {_WRITABLE_FIX}.")
     _remove_stale_partials(dst)  # before counting free space: they may hold much of it
-    free = shutil.disk_usage(folder).free
-    if free < needs:
-        raise CheckpointError(_no_space(dst, needs, free))
+    if not disk_room(dst, needs).enough:
+        raise CheckpointError(_no_space(dst, needs))
 
 
 _WRITABLE_FIX = "choose a destination you can write to"
@@ -86,10 +93,11 @@ def _unwritable(folder: Path) -> str:
     return f"permission denied on {folder}"
 
 
-def _no_space(dst: Path, needs: int, free: int) -> str:
-    return (
-        f"no space left on device: {dst} needs {format_size(needs)}, {format_size(free)} free; "
-        "free some space or choose a destination on another disk."
+def _no_space(dst: Path, needs: int) -> str:
+    # The workspace's one free-disk rule and sentence (qwentitan.checkpoint.files).
+    room = disk_room(dst, needs)
+    return f"no space left on device for {dst}: " + room.shortage(
+        "free some space or choose a destination on another disk"
     )
 
 
@@ -254,7 +262,7 @@ def _environment_error(
         written, free = 0, None
     if full or (free is not None and free < needs - written):
         _remove(tmp)
-        return CheckpointError(_no_space(dst, needs, shutil.disk_usage(dst.parent).free))
+        return CheckpointError(_no_space(dst, needs))
     for c in os_errors:
         if c.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR):
             return CheckpointError(f"cannot write {dst}: {_cause(c)}; {_WRITABLE_FIX}.")

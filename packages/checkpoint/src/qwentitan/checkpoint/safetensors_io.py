@@ -3,7 +3,8 @@
 `HFFolder` is the workspace's one reader of a model folder's safetensors: the converter, the
 `hf` modeling path (each FSDP rank reads only its rows) and launch's preflight all use it.
 
-Reads go straight from the file into the destination tensor with `readinto` at the offset the
+Headers are parsed and checked by the safetensors library (`safe_open`). Reads go straight
+from the file into the destination tensor with `readinto` at the offset the
 safetensors header gives, so nothing is memory-mapped: a memory map keeps every page it
 touched resident until it is closed, which would make peak RSS the size of the model. Writes
 lay out each shard's header first (all shapes are known up front) and then fill tensors in at
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from qwentitan.checkpoint.disk import copy_range, nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
@@ -45,7 +47,6 @@ _SAFETENSORS_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,48 +62,37 @@ class StoredTensor:
 
 
 def read_header(file: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
-    """Parse and check one safetensors file's header without reading its data."""
-    bad = f"{file} is truncated or corrupt"
-    fix = "re-download or re-export this file"
+    """Parse and check one safetensors file's header without reading its data.
+
+    The safetensors library parses and validates the header (JSON, dtypes, offsets that tile
+    the data exactly); each tensor's byte range, which the library does not expose, follows from
+    its order (`offset_keys`) and sizes, since a valid file's tensors lie back to back.
+    """
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            prefix = f.read(8)
-            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-            if n < 2 or n > min(size - 8, _MAX_HEADER):
-                raise CheckpointError(f"{bad} (its header length is impossible); {fix}.")
-            header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{bad} (its header is not JSON); {fix}.") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{bad} (its header is not a JSON object); {fix}.")
-    metadata = header.pop("__metadata__", None) or {}
-    tensors: dict[str, StoredTensor] = {}
-    end = 0
-    for name, info in sorted(header.items(), key=lambda kv: _offsets(kv[1])[0]):
-        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
-        begin, stop = _offsets(info)
-        shape = tuple(info.get("shape", [])) if dtype is not None else ()
-        numel = 1
-        for s in shape:
-            numel *= s
-        if dtype is None or begin != end or stop - begin != numel * dtype.itemsize:
-            raise CheckpointError(f"{bad} (tensor {name!r} has an invalid entry); {fix}.")
-        end = stop
-        tensors[name] = StoredTensor(name, file, dtype, shape, 8 + n + begin, stop - begin)
-    if 8 + n + end != size:
+        with safe_open(file, framework="pt") as f:
+            metadata = f.metadata() or {}
+            entries = [(n, f.get_slice(n)) for n in f.offset_keys()]
+            entries = [(n, s.get_dtype(), tuple(s.get_shape())) for n, s in entries]
+        with open(file, "rb") as raw:
+            data_start = 8 + int.from_bytes(raw.read(8), "little")
+    except (SafetensorError, OSError) as e:
+        why = str(e).removeprefix("Error while deserializing header: ")
         raise CheckpointError(
-            f"{bad} (it holds {size} bytes, its header describes {8 + n + end}); {fix}."
-        )
+            f"{file} is truncated or corrupt ({why}); re-download or re-export this file."
+        ) from None
+    tensors: dict[str, StoredTensor] = {}
+    at = data_start
+    for name, dtype_name, shape in entries:
+        dtype = _SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise CheckpointError(
+                f"{file} stores {name!r} as {dtype_name}, which torch has no dtype for; "
+                "re-export the checkpoint in bf16, fp16 or fp32."
+            )
+        nbytes = nbytes_of(shape, dtype)
+        tensors[name] = StoredTensor(name, file, dtype, shape, at, nbytes)
+        at += nbytes
     return tensors, metadata
-
-
-def _offsets(info: Any) -> tuple[int, int]:
-    try:
-        begin, stop = info["data_offsets"]
-        return int(begin), int(stop)
-    except (KeyError, TypeError, ValueError):
-        return (-1, -1)
 
 
 class HFFolder:
@@ -340,13 +330,12 @@ class ShardedWriter:
         prev_fd, prev_start, prev_size = self.where[previous]
         return fd == prev_fd and start == prev_start + prev_size
 
-    def copy(self, name: str, src: Path, offset: int, nbytes: int, at: int = 0) -> bool:
+    def copy(self, name: str, src: Path, offset: int, nbytes: int, at: int = 0) -> None:
         """Copy `nbytes` from `offset` of file `src` into the shard from byte `at` of `name`'s
-        place on (possibly on into the tensors that follow it in the shard), file to file;
-        False, having written nothing, where the file systems cannot."""
+        place on (possibly on into the tensors that follow it in the shard), in the kernel."""
         fd, start, _ = self.where[name]
         assert start + at + nbytes <= os.fstat(fd).st_size, name
-        return copy_range(src, fd, offset, nbytes, start + at, "re-save it")
+        copy_range(src, fd, offset, nbytes, start + at, "re-save it")
 
     def close(self, sync: bool = True) -> None:
         for fd in self._fds:

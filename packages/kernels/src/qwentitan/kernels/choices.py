@@ -15,12 +15,11 @@ The environment variable QWENTITAN_KERNELS overrides the defaults, e.g.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 
+from qwentitan.kernels.env import KERNEL_CHOICES_ENV, kernel_choices_text
 from qwentitan.kernels.errors import KernelError
 
-KERNEL_CHOICES_ENV = "QWENTITAN_KERNELS"
 CHOICES = ("nki", "reference", "torchtitan")
 
 
@@ -46,7 +45,7 @@ class KernelChoices:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelChoices:
         """The defaults with `QWENTITAN_KERNELS` (comma-separated kernel=choice) applied."""
-        raw = (os.environ if environ is None else environ).get(KERNEL_CHOICES_ENV, "")
+        raw = kernel_choices_text(environ)
         kernels = [f.name for f in dataclasses.fields(cls)]
         chosen: dict[str, str] = {}
         for item in filter(None, (part.strip() for part in raw.split(","))):

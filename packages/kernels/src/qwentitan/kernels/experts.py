@@ -272,6 +272,8 @@ def grouped_experts_nki(
         token_position_to_id=ids,
         block_to_expert=experts,
         block_size=block_size,
+        # Both kernels default compute_dtype to bfloat16; the twin computes in the activations'.
+        compute_dtype=nki_loader.nki_dtype_name(hidden.dtype),
     )
     return out[: hidden.shape[0]].contiguous(), gate_up_act, down_act
 
@@ -312,6 +314,7 @@ def grouped_experts_backward_nki(
         # Top-k > 1 sums several experts into one row; accumulating is also right for top-1
         # (into zeros) and avoids a host sync to find out which case this is.
         is_tensor_update_accumulating=True,
+        compute_dtype=nki_loader.nki_dtype_name(hidden.dtype),
     )
     grad_hidden, grad_flat_aff, grad_gate_up, grad_down = grads[:4]
     grad_aff = grad_flat_aff.reshape(tokens + 1, -1)[:tokens].to(affinities.dtype)

@@ -4,12 +4,22 @@ Nothing here imports `nki`, `nkilib` or `torch_neuronx` at module import: those 
 only on a Trainium host (the PyPI copies are placeholders), and this package must import on any
 machine. The ops call `launch(name, lnc, **kwargs)` on a `neuron` device.
 
-How a kernel is launched on TorchNeuron's `neuron` tensors (TorchNeuron's Python source,
-`torch_neuronx/nki_hop.py`, public mirror `parmoham-aws/test-repo-parmoham`):
-`torch_neuronx.wrap_nki(kernel)[grid](**kwargs)`. A raw `kernel[grid](...)` call with torch
-tensors belongs to the torch-xla integration. The caller's grid is a sequence (`tuple(map(int,
-grid))`), and every non-tensor argument becomes a compile-time constant that must be hashable
-(`torch_neuronx/nki_kernel.py`), so mutable spec objects stay inside our own launchers.
+Two routes launch a kernel on TorchNeuron's `neuron` tensors; `launch_route()` picks one per
+process and `launch` logs it the first time each kernel runs:
+- `nki.jit` (primary): call the `@nki.jit` kernel itself with neuron tensors; torch-neuronx
+  handles the call, eager or inside `torch.compile(backend="neuron")` (Neuron SDK 2.33, "How to
+  work with NKI kernels from torch-neuronx", torch/guides/how-to-work-with-nki and "Quickstart:
+  Run an NKI kernel from torch-neuronx", torch/get-started/quickstart-nki-kernel). The LNC comes
+  from `NEURON_LOGICAL_NC_CONFIG`, which must be set: unset, the kernel takes LNC 1 while
+  neuronx-cc takes 2 on trn2, and the bracket `kernel[lnc]` that would override it is being
+  deprecated (nki.jit API page of SDK 2.33; compiler error NCC_EVRF066).
+- `wrap_nki`: `torch_neuronx.wrap_nki(kernel)[(lnc,)](**kwargs)`, the only route of the April
+  2026 TorchNeuron source (torch-neuronx 0.1.0, `torch_neuronx/nki_hop.py`, public mirror
+  `parmoham-aws/test-repo-parmoham`). No SDK 2.33 page names it, so it is taken only by a
+  torch-neuronx older than the 2.13 / 2.14 releases SDK 2.33 documents, and only when that
+  torch-neuronx has it.
+Every non-tensor argument is a compile-time constant that must be hashable (it keys the kernel
+cache, `torch_neuronx/nki_kernel.py`), so mutable spec objects stay inside our own launchers.
 `torch_neuronx` is imported here explicitly: with `TORCH_DEVICE_BACKEND_AUTOLOAD=0` nothing
 else would import it, and the run would not reach the neuron device at all.
 """
@@ -17,13 +27,19 @@ else would import it, and the run would not reach the neuron device at all.
 from __future__ import annotations
 
 import importlib
-import os
+import logging
+import re
 from collections.abc import Callable
 from importlib import metadata
 from types import ModuleType
 from typing import Any
 
+import torch
+
+from qwentitan.kernels.env import LNC_ENV, lnc_setting
 from qwentitan.kernels.errors import KernelError
+
+logger = logging.getLogger("qwentitan.kernels")
 
 # The oldest nki-library with every kernel below: rope_hf, attention_bwd, moe_cte (MoECTESpec)
 # and experimental/moe/bwd/blockwise_mm_bwd first appear on aws-neuron/nki-library's release
@@ -42,23 +58,23 @@ _NKILIB_KERNELS = {
 _MOE_KERNELS = ("moe_blockwise_fwd", "moe_blockwise_bwd")
 KERNEL_NAMES = (*_NKILIB_KERNELS, *_MOE_KERNELS)
 
-# ShardOption members the MoE backward may take, best first. nki-library 2.28, 2.29 and main
-# (April 2026) define AUTO, SHARD_ON_HIDDEN, SHARD_ON_INTERMEDIATE, BASELINE_LNC1
-# (experimental/moe/bwd/moe_bwd_parameters.py) and default to SHARD_ON_HIDDEN, which is how
-# their dropless backward shards (MOEBwdParameters.validate_sharding splits H over the LNC
-# shards). SHARD_ON_FREE exists in none of them; it is kept only for a build that offers it.
-SHARD_OPTION_PREFERENCE = ("SHARD_ON_HIDDEN", "SHARD_ON_FREE")
+ROUTE_NKI_JIT = "nki.jit"
+ROUTE_WRAP_NKI = "wrap_nki"
+# The torch-neuronx releases SDK 2.33 documents ("Install PyTorch for Neuron": 2.14.3.0 for
+# torch 2.14, 2.13.3.0 for torch 2.13); they run a plain `@nki.jit` call on neuron tensors.
+_DOCUMENTED_TORCH_NEURONX = (2, 13)
 
 _cache: dict[str, Any] = {}
+_logged: set[str] = set()
 
 
 def logical_core_count() -> int:
     """LNC of this process: `NEURON_LOGICAL_NC_CONFIG` (1 or 2, default 2 on trn2)."""
-    raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2")
+    raw = lnc_setting()
+    raw = "2" if raw is None else raw
     if raw not in ("1", "2"):
         raise KernelError(
-            f"NEURON_LOGICAL_NC_CONFIG is {raw!r}; set it to 1 or 2 (every NKI launch uses it "
-            "as its LNC)."
+            f"{LNC_ENV} is {raw!r}; set it to 1 or 2 (every NKI launch uses it as its LNC)."
         )
     return int(raw)
 
@@ -76,18 +92,58 @@ def import_torch_neuronx() -> ModuleType:
     return torch_neuronx
 
 
+def _release(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def launch_route() -> str:
+    """`nki.jit` (documented by SDK 2.33) or `wrap_nki` (older torch-neuronx that has it)."""
+    torch_neuronx = import_torch_neuronx()
+    version = str(getattr(torch_neuronx, "__version__", ""))
+    if _release(version) >= _DOCUMENTED_TORCH_NEURONX or not hasattr(torch_neuronx, "wrap_nki"):
+        return ROUTE_NKI_JIT
+    return ROUTE_WRAP_NKI
+
+
+def route_description() -> str:
+    """What the replaced modules will launch through here, for the replacement log."""
+    try:
+        return f"{launch_route()} on neuron, reference twin elsewhere"
+    except KernelError:
+        return "reference twin (no torch-neuronx here)"
+
+
 def load_kernel(name: str) -> Any:
-    """The kernel `name` wrapped by `torch_neuronx.wrap_nki`; imported on first use."""
+    """The `@nki.jit` kernel `name` (nki-library's, or our MoE launcher); imported on first use."""
     if name not in KERNEL_NAMES:
         raise KernelError(f"unknown NKI kernel {name!r}; use one of {', '.join(KERNEL_NAMES)}.")
     if name not in _cache:
-        _cache[name] = import_torch_neuronx().wrap_nki(_import_kernel(name))
+        import_torch_neuronx()
+        _cache[name] = _import_kernel(name)
     return _cache[name]
 
 
 def launch(name: str, lnc: int, **kwargs: Any) -> Any:
-    """Run kernel `name` on `lnc` logical cores (grid `(lnc,)`) with keyword arguments."""
-    return load_kernel(name)[(lnc,)](**kwargs)
+    """Run kernel `name` on `lnc` logical cores with keyword arguments, by `launch_route()`."""
+    kernel = load_kernel(name)
+    route = launch_route()
+    if route == ROUTE_WRAP_NKI:
+        wrapped = _cache.setdefault(f"{name}/wrap_nki", import_torch_neuronx().wrap_nki(kernel))
+        call = wrapped[(lnc,)]
+    else:
+        raw = lnc_setting()
+        if raw != str(lnc):
+            raise KernelError(
+                f"the NKI kernel {name} runs at LNC {lnc} but {LNC_ENV} is "
+                f"{'unset' if raw is None else repr(raw)}, and an @nki.jit call takes its LNC "
+                f"from that variable; export {LNC_ENV}={lnc} before the run starts."
+            )
+        call = kernel
+    if name not in _logged:
+        _logged.add(name)
+        logger.info("NKI kernel %s launched through %s at LNC %d", name, route, lnc)
+    return call(**kwargs)
 
 
 def installed_nki_library() -> str:
@@ -119,28 +175,31 @@ def _import_kernel(name: str) -> Any:
         raise _too_old(f"the NKI kernel {name!r} cannot be imported ({exc})", name) from exc
 
 
-def pick_shard_option(shard_option: type) -> Any:
-    """The best member of the installed `ShardOption` enum, or KernelError naming the minimum."""
-    for member in SHARD_OPTION_PREFERENCE:
-        if member in shard_option.__members__:
-            return shard_option[member]
-    offered = ", ".join(shard_option.__members__)
-    raise _too_old(
-        f"blockwise_mm_bwd needs ShardOption.{SHARD_OPTION_PREFERENCE[0]} but this ShardOption "
-        f"offers {offered}",
-        "moe_blockwise_bwd",
-    )
+_NKI_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def nki_dtype_name(dtype: torch.dtype) -> str:
+    """The `nki.language` name of a torch dtype, a hashable constant that crosses the launch."""
+    if dtype not in _NKI_DTYPES:
+        raise KernelError(
+            f"the NKI kernels compute in float32, bfloat16 or float16, got {dtype}; cast the "
+            "activations to one of them."
+        )
+    return _NKI_DTYPES[dtype]
 
 
 def _moe_launcher(name: str) -> Callable[..., Any]:
     """A top-level `@nki.jit` launcher around nki-library's MoE entry point.
 
-    nki-library declares `moe_cte` a trace-mode sub-kernel (`@nki.jit(mode="trace")`) and
-    `blockwise_mm_bwd` a jit kernel of its own; inside our launcher both run through `.func`,
-    the plain function, so no second jit starts inside the trace. Only tensors and ints cross
-    the wrap_nki boundary: the unhashable `MoECTESpec` is built inside the trace.
+    It calls `moe_cte` (a trace-mode sub-kernel) and `blockwise_mm_bwd` (a jit kernel) as jit
+    kernels inside its own trace, as nki-library does itself (`moe_cte` calls
+    `blockwise_mm_baseline_shard_intermediate` of `bwmm_shard_on_I.py`, `attention_block_tkg`
+    calls `output_projection_tkg`). Only tensors, ints and strings cross the launch: the
+    unhashable `MoECTESpec` is built inside, and `compute_dtype` crosses as an `nki.language`
+    name, since both kernels default it to bfloat16 whatever the activations are.
     """
     import nki
+    import nki.language as nl
 
     if name == "moe_blockwise_fwd":
         from nkilib.core.moe.moe_cte.moe_cte import (
@@ -160,6 +219,7 @@ def _moe_launcher(name: str) -> Callable[..., Any]:
             token_position_to_id,
             block_to_expert,
             block_size,
+            compute_dtype,
         ):
             # shard_on_i with checkpoint_activation returns (output, gate_up_activations_T,
             # down_activations) (ShardOnIConfig's docstring); POST_SCALE because the backward
@@ -168,7 +228,7 @@ def _moe_launcher(name: str) -> Callable[..., Any]:
                 implementation=MoECTEImplementation.shard_on_i,
                 shard_on_I=ShardOnIConfig(checkpoint_activation=True),
             )
-            return moe_cte.func(
+            return moe_cte(
                 hidden_states=hidden_states,
                 expert_affinities_masked=expert_affinities_masked,
                 gate_up_proj_weight=gate_up_proj_weight,
@@ -177,6 +237,7 @@ def _moe_launcher(name: str) -> Callable[..., Any]:
                 block_to_expert=block_to_expert,
                 block_size=block_size,
                 spec=spec,
+                compute_dtype=getattr(nl, compute_dtype),
                 is_tensor_update_accumulating=True,
                 expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
             )
@@ -184,13 +245,7 @@ def _moe_launcher(name: str) -> Callable[..., Any]:
         return moe_blockwise_fwd
 
     from nkilib.experimental.moe.bwd.blockwise_mm_backward import blockwise_mm_bwd
-    from nkilib.experimental.moe.bwd.moe_bwd_parameters import (
-        ActFnType,
-        AffinityOption,
-        ShardOption,
-    )
-
-    shard_option = pick_shard_option(ShardOption)
+    from nkilib.experimental.moe.bwd.moe_bwd_parameters import ActFnType
 
     @nki.jit
     def moe_blockwise_bwd(
@@ -205,8 +260,12 @@ def _moe_launcher(name: str) -> Callable[..., Any]:
         output_hidden_states_grad,
         block_size,
         is_tensor_update_accumulating,
+        compute_dtype,
     ):
-        return blockwise_mm_bwd.func(
+        # shard_option and affinity_option are left at their defaults: blockwise_mm_bwd takes
+        # them but never reads them (experimental/moe/bwd/blockwise_mm_backward.py, nki-library
+        # 2.28 and main), it shards H over the LNC shards and applies the affinity on H.
+        return blockwise_mm_bwd(
             hidden_states=hidden_states,
             expert_affinities_masked=expert_affinities_masked,
             gate_up_proj_weight=gate_up_proj_weight,
@@ -217,9 +276,8 @@ def _moe_launcher(name: str) -> Callable[..., Any]:
             block_to_expert=block_to_expert,
             output_hidden_states_grad=output_hidden_states_grad,
             block_size=block_size,
+            compute_dtype=getattr(nl, compute_dtype),
             is_tensor_update_accumulating=is_tensor_update_accumulating,
-            shard_option=shard_option,
-            affinity_option=AffinityOption.AFFINITY_ON_H,
             activation_type=ActFnType.SiLU,
         )
 

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from qwentitan.kernels import nki_loader
 from qwentitan.kernels.errors import KernelError
 
 logger = logging.getLogger("qwentitan.kernels")
@@ -25,11 +26,16 @@ class ReplacementRule:
     """Replace every config node whose path matches `pattern` by `replacement(node)`.
 
     `name` is what the log shows for each replaced module, e.g. `nki_rope  layers.3.attention.rope`.
+    `op` names the `qwentitan::` op the replacement runs (`check_kernels` launches it) and
+    `use_nki` whether it runs its NKI kernel on neuron; then the log line also says by which
+    route (`nki_loader.launch_route`) that kernel is launched here.
     """
 
     pattern: str
     replacement: Callable[[Any], Any]
     name: str
+    op: str | None = None
+    use_nki: bool = False
 
     def matches(self, path: str) -> bool:
         wanted, actual = self.pattern.split("."), path.split(".")
@@ -89,8 +95,9 @@ def apply_replacements(config: Any, rules: Sequence[ReplacementRule]) -> Any:
                 f"replacement rule {rule.name!r} with pattern {rule.pattern!r} matches no module "
                 "of this config; fix the pattern (paths look like 'layers.3.attention.rope')."
             )
+        route = f"  ({nki_loader.route_description()})" if rule.use_nki else ""
         for path in hits:
-            logger.info("%s  %s", rule.name, path)
+            logger.info("%s  %s%s", rule.name, path, route)
     return config
 
 

@@ -2,8 +2,10 @@
 
 Inputs use torchtitan's layout: query (batch, seq, q_heads, head_dim), key (batch, seq,
 kv_heads, head_dim), and torchtitan's CosSinRoPE cache (max_seq_len, 2 * head_dim), cos first,
-which is exactly rope_hf's `rope_cache` form. Gather-free: positions are 0..seq-1, the cache is
-only narrowed, never indexed by a position tensor. Computed in the query's dtype, as the kernel
+or one table per sample (batch, max_seq_len, 2 * head_dim): both are rope_hf's `rope_cache`
+forms (nki-library core/embeddings/rope_hf.py), so per-sample positions still take one kernel
+launch. Gather-free: row i of a table is position i, the cache is only narrowed, never indexed
+by a position tensor. Computed in the query's dtype, as the kernel
 does, with the cache cast to it. The cache gets no gradient; the backward is the same rotation
 transposed (rope_hf with backward=True).
 """
@@ -29,22 +31,24 @@ def _check(query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor) -> 
             f"rope key {tuple(key.shape)} does not match query {tuple(query.shape)} in batch, seq "
             "or head_dim; pass the key of the same attention call."
         )
-    if rope_cache.dim() != 2 or rope_cache.shape[1] != 2 * head_dim:
+    batched = rope_cache.dim() == 3 and rope_cache.shape[0] == batch
+    if not (rope_cache.dim() == 2 or batched) or rope_cache.shape[-1] != 2 * head_dim:
         raise KernelError(
             f"rope cache has shape {tuple(rope_cache.shape)}, expected (max_seq_len, {2 * head_dim}) "
-            "with cos first; pass torchtitan's CosSinRoPE cache."
+            f"or ({batch}, max_seq_len, {2 * head_dim}) with cos first; pass torchtitan's "
+            "CosSinRoPE cache or one table per sample."
         )
-    if rope_cache.shape[0] < seq:
+    if rope_cache.shape[-2] < seq:
         raise KernelError(
-            f"rope cache covers {rope_cache.shape[0]} positions but the sequence has {seq}; "
+            f"rope cache covers {rope_cache.shape[-2]} positions but the sequence has {seq}; "
             "raise the RoPE max_seq_len to at least the training seq_len."
         )
 
 
 def _cos_sin(rope_cache: torch.Tensor, seq: int, head_dim: int, dtype: torch.dtype):
-    cache = rope_cache.narrow(0, 0, seq).to(dtype)
-    # (seq, 1, head_dim): broadcasts over batch and heads of the (b, s, h, d) layout.
-    return cache[:, None, :head_dim], cache[:, None, head_dim:]
+    cache = rope_cache.narrow(-2, 0, seq).to(dtype)
+    # ([batch,] seq, 1, head_dim): broadcasts over batch and heads of the (b, s, h, d) layout.
+    return cache[..., None, :head_dim], cache[..., None, head_dim:]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +175,7 @@ register_neuron_impl(
 def rope(
     query: torch.Tensor, key: torch.Tensor, rope_cache: torch.Tensor, *, use_nki: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate (batch, seq, heads, head_dim) query and key with a (max_seq_len, 2 * head_dim) cache.
+    """Rotate (batch, seq, heads, head_dim) query and key with a ([batch,] max_seq_len, 2 * head_dim) cache.
 
     `use_nki=False` runs the reference twin on a neuron device too (the fallback switch).
     """

@@ -13,11 +13,12 @@ NKI flash kernels); `QWENTITAN_KERNELS=experts=reference` switches one kernel to
 Semantics that differ from torchtitan's defaults, because the NKI kernels work this way:
 - the kernel attention is causal over the whole row (attention_cte has no document mask), as
   torchtitan's SDPA is; RoPE follows torchtitan's per-document `positions` (restarting at each
-  packed document) by handing rope_hf, which reads its table from row 0 on, a table gathered
-  at each sample's positions (one call per sample when positions are given);
+  packed document) by handing rope_hf, which reads its table from row 0 on, one table per
+  sample gathered at its positions ([batch, seq, 2 * head_dim], one launch for the batch);
 - expert weights are re-laid out each forward into the kernel's (experts, hidden, 2, inter) and
-  (experts, inter, hidden) forms; the experts compute in the input's dtype (torchtitan's
-  GroupedExperts always casts to bfloat16; `compute_dtype=torch.bfloat16` reproduces that).
+  (experts, inter, hidden) forms; the experts compute in the input's dtype, which is passed to
+  moe_cte and blockwise_mm_bwd as their `compute_dtype` (both default to bfloat16). torchtitan's
+  GroupedExperts always casts to bfloat16; `compute_dtype=torch.bfloat16` reproduces that.
 """
 
 from __future__ import annotations
@@ -83,18 +84,12 @@ class KernelRoPE(CosSinRoPE):
         if positions is None:
             return torch.ops.qwentitan.rope(query, key, self.cache, self.use_nki)
         # torchtitan's loaders restart positions at every packed document, and its RoPE
-        # gathers the cache at them. rope_hf reads its table from row 0 on (gather-free), so
-        # each sample gets the table gathered at its own positions.
+        # gathers the cache at them. rope_hf reads its table from row 0 on (gather-free) and
+        # takes one table per sample, so the batch gets its gathered tables in one launch.
         if isinstance(positions, DTensor):
             positions = positions.to_local()
         rows = positions.expand(query.shape[0], -1) if positions.dim() == 1 else positions
-        pairs = [
-            torch.ops.qwentitan.rope(
-                query[b : b + 1], key[b : b + 1], self.cache[rows[b]], self.use_nki
-            )
-            for b in range(query.shape[0])
-        ]
-        return torch.cat([q for q, _ in pairs]), torch.cat([k for _, k in pairs])
+        return torch.ops.qwentitan.rope(query, key, self.cache[rows], self.use_nki)
 
 
 class KernelCausalAttention(ScaledDotProductAttention):
@@ -209,6 +204,7 @@ def _replace_experts(
     return KernelGroupedExperts.Config(**_fields(config), block_size=block_size, use_nki=use_nki)
 
 
+_OPS = {"rope": "rope", "attention": "causal_attention", "experts": "grouped_experts"}
 _PATTERNS = {
     "rope": "layers.*.attention.rope",
     "attention": "layers.*.attention.inner_attention",
@@ -241,9 +237,49 @@ def default_rules(block_size: int = 256, choices: Any = None) -> list:
                 _PATTERNS[kernel],
                 lambda config, fn=replace[kernel], use_nki=use_nki: fn(config, use_nki),
                 f"{choice}_{kernel}",
+                op=_OPS[kernel],
+                use_nki=use_nki,
             )
         )
     return rules
+
+
+_KERNEL_OF_CONFIG = {
+    KernelRoPE.Config: "rope",
+    KernelCausalAttention.Config: "attention",
+    KernelGroupedExperts.Config: "experts",
+}
+
+
+def rules_in(model_config: Any) -> list:
+    """The rules a model config was built with, read back from the kernel modules it holds.
+
+    One rule per kernel found, as `default_rules` makes it (NKI if any of its modules runs the
+    NKI kernel, else the reference twin), so `qwentitan.kernels.check_kernels(rules_in(config))`
+    launches the ops this model runs by the route it runs them. Empty without kernel modules.
+    """
+    found: dict[str, bool] = {}
+    seen: set[int] = set()
+    todo = [model_config]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        kernel = _KERNEL_OF_CONFIG.get(type(node))
+        if kernel is not None:
+            found[kernel] = found.get(kernel, False) or node.use_nki
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            todo += [getattr(node, f.name, None) for f in dataclasses.fields(node)]
+        elif isinstance(node, (list, tuple)):
+            todo += node
+        elif isinstance(node, dict):
+            todo += node.values()
+    if not found:
+        return []
+    choices = {kernel: "torchtitan" for kernel in _PATTERNS}
+    choices.update({kernel: "nki" if nki else "reference" for kernel, nki in found.items()})
+    return default_rules(choices=_kernels().KernelChoices(**choices))
 
 
 def apply_kernel_replacements(model_config: Any, rules: Sequence | None = None) -> Any:

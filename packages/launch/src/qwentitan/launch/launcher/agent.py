@@ -6,21 +6,52 @@ is a table of the failed ranks printed as a traceback, after the rank has alread
 wrong (a failed save: one sentence, exit code 2). This agent runs torchrun's own `parse_args` and
 `run` (same flags, rendezvous, restarts) and ends such a job with one line naming the rank and
 with that rank's exit code, so the launcher's exit code is the rank's (2 for a fault the rank
-explained, 1 for a crash or a signal).
+explained, 1 for a crash or a signal). torchrun's own line for that failure ("failed
+(exitcode: N) ...") is dropped, since this one replaces it. A SIGTERM to the agent itself (SLURM
+signalling every process, or the launcher dying: its PR_SET_PDEATHSIG) makes torchrun pass it
+to the ranks, which checkpoint, and then raise `SignalException`: that too ends in one line
+(exit code 128 + the signal) instead of its traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
+# torchrun's lines that this agent's own one line replaces: (logger, message start).
+_REPLACED = (
+    ("torch.distributed.elastic.multiprocessing.api", "failed (exitcode"),
+    ("torch.distributed.elastic.agent.server.api", "Received %s death signal"),
+)
+
+
+class _Replaced(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    for name, start in _REPLACED:
+        logging.getLogger(name).addFilter(_Replaced(start))
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+    except SignalException as stopped:
+        print(
+            f"qwentitan-launch: the torchrun agent got {stopped.sigval.name} and stopped the "
+            "ranks; --resume continues from their last checkpoint.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 1

@@ -5,28 +5,59 @@ and, when that folder is damaged, every rank dies deep in `dcp.load` with a bare
 `check_resumable` reads the same folder first and refuses it in one sentence naming the file
 and what is wrong: a `.metadata` that does not unpickle, a `.distcp` data file that is missing
 or shorter than the byte ranges the metadata points into, or tensors of another model.
+
+A `.metadata` is a pickle, and torch's `FileSystemReader.read_metadata` unpickles it with
+`pickle.load`, which runs whatever code the file names. The check reads it first with an
+allow-list unpickler (`read_metadata`, through qwentitan.checkpoint's `MetadataUnpickler`:
+only the classes torch DCP writes, as `torch.load(weights_only=True)` does for tensors) and refuses any other file before a rank
+starts, so `train --resume` and `run` never hand torchtitan a `.metadata` that was not checked.
 """
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from qwentitan.checkpoint.dcp_metadata import MetadataUnpickler
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.memory import meta_model
 
-__all__ = ["check_resumable", "saved_steps", "state_shapes"]
+__all__ = ["UnsafeMetadata", "check_resumable", "read_metadata", "saved_steps", "state_shapes"]
 
 _STEP_FOLDER = re.compile(r"step-(\d+)")
 METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"  # torchtitan also resumes from an HF model-only save
 
 Shapes = Mapping[str, tuple[int, ...]]
+
+
+class UnsafeMetadata(pickle.UnpicklingError):
+    """A `.metadata` naming something other than torch DCP's metadata classes."""
+
+
+class _Unpickler(MetadataUnpickler):
+    """qwentitan.checkpoint's allow-list unpickler, its refusal told apart from damage."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except pickle.UnpicklingError as error:
+            raise UnsafeMetadata(str(error)) from None
+
+
+def read_metadata(step: Path) -> Metadata:
+    """The DCP metadata of `step`, unpickled with only DCP's own classes allowed; raises
+    `UnsafeMetadata` for anything else, and what pickle raises for a damaged file."""
+    with open(step / METADATA, "rb") as file:
+        metadata = _Unpickler(file).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeMetadata(f"it holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
 
 
 def saved_steps(folder: Path) -> list[int]:
@@ -54,6 +85,7 @@ def check_resumable(
     *,
     folder_flag: str = "--run-dir",
     fresh: str = "start fresh without --resume",
+    data_ranks: int | None = None,
 ) -> int:
     """The step torchtitan will resume in `folder`; LaunchError if its checkpoint is unusable.
 
@@ -78,6 +110,15 @@ def check_resumable(
             else fresh
         )
         raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.")
+    saved_ranks = _data_ranks(latest)
+    if data_ranks is not None and saved_ranks and saved_ranks != data_ranks:
+        # torchtitan keeps one data position per data-parallel rank and refuses another count
+        # deep in the load ("dp_degree is inconsistent").
+        raise LaunchError(
+            f"{latest} was saved by {saved_ranks} data-parallel ranks but this run has "
+            f"{data_ranks}; resume it with {saved_ranks} data-parallel ranks (e.g. --ranks "
+            f"{saved_ranks}), or pass another {folder_flag} to start fresh."
+        )
     mismatch = _mismatch(latest, model)
     if mismatch is not None:
         raise LaunchError(
@@ -92,7 +133,9 @@ def _damage(step: Path) -> str | None:
     if not (step / METADATA).is_file():
         return None  # an HF model-only save: torchtitan reads it with its own checks
     try:
-        metadata = FileSystemReader(str(step)).read_metadata()
+        metadata = read_metadata(step)
+    except UnsafeMetadata as error:
+        return f"{step / METADATA} is not a checkpoint's metadata ({error}, so it was not run)"
     except Exception as error:  # a truncated pickle raises EOFError, garbage UnpicklingError, ...
         return f"{step / METADATA} is truncated or damaged ({type(error).__name__})"
     needed: dict[str, int] = {}
@@ -108,11 +151,19 @@ def _damage(step: Path) -> str | None:
     return None
 
 
+def _data_ranks(step: Path) -> int:
+    """How many data-parallel ranks saved `step` (their data positions), 0 if unknown."""
+    if not (step / METADATA).is_file():
+        return 0
+    keys = read_metadata(step).state_dict_metadata
+    return sum(1 for key in keys if key.startswith("dataloader.dp_rank_"))
+
+
 def _mismatch(step: Path, model: Shapes) -> str | None:
     """How the (readable) checkpoint in `step` differs from `model`, or None."""
     if not (step / METADATA).is_file():
         return None
-    metadata = FileSystemReader(str(step)).read_metadata()
+    metadata = read_metadata(step)
     saved = {
         fqn: tuple(md.size)
         for fqn, md in metadata.state_dict_metadata.items()

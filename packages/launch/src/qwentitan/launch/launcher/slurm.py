@@ -11,10 +11,12 @@ job resume where it stopped.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import TRAIN_ENTRY, LaunchPlan
 from qwentitan.launch.launcher.plan_file import save_plan
 
@@ -35,13 +37,59 @@ class SlurmOptions:
     launcher: str = "qwentitan-launch"
 
 
+# What SLURM takes (sbatch(1)): partition names, comma-separated; the --time formats "M",
+# "M:S", "H:M:S", "D-H", "D-H:M", "D-H:M:S" and UNLIMITED; job names without spaces.
+_PARTITION = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+_TIME = re.compile(
+    r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE
+)
+_JOB_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_options(plan: LaunchPlan, o: SlurmOptions, workdir: str, plan_file: str) -> None:
+    """Refuse (LaunchError) any value that is not what its line of the script expects, before
+    it is written: a newline in a value would start a command of its own."""
+    for flag, value, pattern, what in (
+        ("--partition", o.partition, _PARTITION, "letters, digits, _ . - and commas"),
+        ("--time", o.time, _TIME, "minutes, H:M:S or D-H:M:S"),
+        ("job name", o.job_name, _JOB_NAME, "letters, digits and _ . + -"),
+    ):
+        if value is not None and not pattern.fullmatch(value):
+            raise LaunchError(
+                f"{flag} {value!r} is not a SLURM {flag.lstrip('-')} ({what}); pass one that is."
+            )
+    for name in plan.env:
+        if not _ENV_NAME.fullmatch(name):
+            raise LaunchError(f"Environment variable name {name!r} cannot be exported; rename it.")
+    values = {
+        "--dump-folder and the overrides": " ".join(plan.trainer_args()),
+        "the environment": " ".join(plan.env.values()),
+        "the working folder": workdir,
+        "the plan file": plan_file,
+        "the log folder": o.log_dir,
+        "the launcher": o.launcher,
+    }
+    for where, value in values.items():
+        if _CONTROL.search(value):
+            raise LaunchError(
+                f"A value of {where} holds a control character (a newline, tab, ...), which an "
+                f"sbatch script cannot carry safely: {value[:80]!r}; pass it without."
+            )
+    if re.search(r"\s", o.log_dir):
+        raise LaunchError(f"The log folder {o.log_dir!r} holds a space; pick one without.")
+
+
 def render_sbatch(
     plan: LaunchPlan, options: SlurmOptions | None = None, plan_file: str | Path = "PLAN.json"
 ) -> str:
-    """The sbatch script, as text, running the plan saved at `plan_file`."""
+    """The sbatch script running the plan saved at `plan_file`, as text; LaunchError for a value
+    it cannot carry (`check_options`)."""
     o = options or SlurmOptions()
     job = o.job_name or f"qwentitan-{plan.recipe}"
     workdir = o.workdir or os.getcwd()
+    check_options(plan, o, workdir, str(plan_file))
     header = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job}",
@@ -93,11 +141,21 @@ def render_sbatch(
 def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | None = None) -> Path:
     """Write the plan file (`<script>.plan.json`) and the script, each atomically; the script is
     executable."""
-    path = Path(path)
-    plan_file = save_plan(plan, path.with_name(f"{path.stem}.plan.json")).resolve()
-    from qwentitan.checkpoint.files import atomic_file  # its package imports torch, for now
+    from qwentitan.checkpoint.files import atomic_file
 
-    with atomic_file(path) as tmp:
-        Path(tmp).write_text(render_sbatch(plan, options, plan_file))
-        Path(tmp).chmod(0o755)
+    path = Path(path)
+    if path.is_dir():
+        raise LaunchError(f"{path} is a folder; pass -o with a file name for the sbatch script.")
+    plan_file = path.with_name(f"{path.stem}.plan.json").absolute()
+    script = render_sbatch(plan, options, plan_file)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_plan(plan, plan_file)
+        with atomic_file(path) as tmp:
+            tmp.write_text(script)
+            tmp.chmod(0o755)
+    except OSError as error:
+        raise LaunchError(
+            f"Could not write {path} ({error.strerror or error}); pass -o with a writable path."
+        ) from None
     return path

@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from types import FrameType
 
@@ -42,6 +43,11 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # What the launcher passes on to the ranks; SIGHUP (terminal closed) becomes SIGTERM there.
 FORWARDED = {**{sig: sig for sig in PREEMPTION_SIGNALS}, signal.SIGHUP: signal.SIGTERM}
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# A signal still pending this long after it arrived means the rank is stuck between two step
+# boundaries (reading data, validating); `stop_if_overdue` then ends it at once. A step of the
+# tiny recipes takes about a second on a CPU; torchrun's agent SIGKILLs 30 s after a SIGTERM.
+OVERDUE_SECONDS = 20.0
+_active: PreemptionWatch | None = None
 
 
 class PreemptionWatch:
@@ -50,17 +56,23 @@ class PreemptionWatch:
     def __init__(self, signals: Sequence[signal.Signals] = PREEMPTION_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
+        self.received_at = 0.0
         self._previous: dict[signal.Signals, object] = {}
 
     def install(self) -> PreemptionWatch:
+        global _active
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        _active = self
         return self
 
     def uninstall(self) -> None:
+        global _active
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        if _active is self:
+            _active = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received is not None:
@@ -73,6 +85,8 @@ class PreemptionWatch:
             )
             os._exit(128 + signal.SIGINT)
         # Only a flag: the step in flight finishes, collectives stay matched across ranks.
+        if self.received is None:
+            self.received_at = time.monotonic()
         self.received = signal.Signals(signum)
 
     def stop_requested(self, device: torch.device | str = "cpu") -> str | None:
@@ -86,6 +100,23 @@ class PreemptionWatch:
         if agreed == 0:
             return None
         return f"{signal.Signals(agreed).name} received: checkpointing and exiting"
+
+
+def stop_if_overdue(where: str, *, seconds: float = OVERDUE_SECONDS) -> None:
+    """Called from loops between step boundaries: end this rank at once (one line, exit code
+    128 + signal) if the installed watch's signal has waited `seconds` for a boundary."""
+    watch = _active
+    if watch is None or watch.received is None:
+        return
+    if time.monotonic() - watch.received_at < seconds:
+        return
+    name = watch.received.name
+    os.write(
+        2,
+        f"Stopped by {name} while {where}: no step boundary came within {seconds:g} s, so this "
+        "step was not saved; --resume continues from the last checkpoint.\n".encode(),
+    )
+    os._exit(128 + int(watch.received))
 
 
 def ignore_sigusr1() -> None:

@@ -22,6 +22,9 @@ This module adds only what torchtitan 0.3.0 lacks, one place each:
 - `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
 - `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
   the signals the launcher forwards: SIGTERM, SIGUSR1, SIGINT), so `--resume` continues exactly.
+- `checked_loads()`: torchtitan's DCP load runs only after qwentitan.checkpoint's
+  `SafeFileSystemReader` read the `.metadata` (an allow-list unpickler), so a pickle in it
+  never runs.
 - `guard_saves()`: a save that fails (disk full, folder gone read-only) removes its partial
   `step-N` folder and ends the rank with one sentence, so no later `--resume` takes it for a
   whole checkpoint. DCP writes `.metadata` last (through a temporary file), so a rank killed
@@ -63,6 +66,7 @@ from qwentitan.launch.tracking.reports import FIRST_STEP, attach_report
 
 __all__ = [
     "Trainer",
+    "checked_loads",
     "force_sum_reduction",
     "guard_saves",
     "use_platform",
@@ -138,6 +142,28 @@ def _existing(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
+
+
+def checked_loads(dcp_load: Callable[..., Any]) -> Callable[..., Any]:
+    """torchtitan's `CheckpointManager.dcp_load`, run only on a DCP folder whose `.metadata`
+    qwentitan.checkpoint's `SafeFileSystemReader` has read (an allow-list unpickler): torch's
+    own reader, which torchtitan's load uses, unpickles it with `pickle.load`, which runs any
+    code the file names. The launcher checks the same file before the ranks start; this covers
+    loads it does not see (`--checkpoint.initial_load_path`, a file changed since). A refused
+    file ends the rank in one sentence (exit 2)."""
+
+    def checked(state_dict: Any, checkpoint_id: str, from_hf: bool, *args: Any, **kwargs: Any):
+        if not from_hf:  # an HF folder is safetensors, which hold no code
+            from qwentitan.checkpoint import CheckpointError, SafeFileSystemReader
+
+            try:
+                SafeFileSystemReader(checkpoint_id).read_metadata()
+            except CheckpointError as error:
+                logger.error(f"Not loading the checkpoint {checkpoint_id}: {error}")
+                raise SystemExit(2) from None  # a fault of the input, said in one sentence
+        return dcp_load(state_dict, checkpoint_id, from_hf, *args, **kwargs)
+
+    return checked
 
 
 def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., Any]:
@@ -224,6 +250,10 @@ class Trainer(torchtitan_trainer.Trainer):
             # The manager is built from the recipe's own config (any checkpointer class), so its
             # save is wrapped here rather than subclassed in every recipe.
             self.checkpointer.save = guard_saves(self.checkpointer.save, self.checkpointer.folder)
+            self.checkpointer.dcp_load = checked_loads(self.checkpointer.dcp_load)
+        validator = getattr(self, "validator", None)
+        if validator is not None and getattr(validator, "validate", None) is not None:
+            validator.validate = self._unless_stopping(validator.validate)
         if self.target.backend == "gloo":
             force_sum_reduction(self.model_parts)
         peak = self.target.peak_flops(lnc)  # the one place a rank decides its peak
@@ -235,6 +265,18 @@ class Trainer(torchtitan_trainer.Trainer):
             # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.
             self.metrics_processor.has_quantization = True
             logger.info(f"MFU: n/a on {self.platform.name} (no published peak FLOP/s).")
+
+    def _unless_stopping(self, validate: Callable[..., Any]) -> Callable[..., Any]:
+        """`validate` skipped when a stop signal is pending on any rank, so the checkpoint at
+        the step boundary right after it comes first (on a spot or SLURM grace period)."""
+
+        def guarded(model_parts: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+            if self.preemption.stop_requested(self.device) is None:
+                return validate(model_parts, step, *args, **kwargs)
+            logger.info(f"Validation of step {step} skipped: a stop signal is pending.")
+            return None
+
+        return guarded
 
     def train_step(self, data_iterator) -> None:
         if self.first_step_done:

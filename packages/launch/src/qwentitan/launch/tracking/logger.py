@@ -158,14 +158,21 @@ class MLflowLogger(BaseLogger, Configurable):
             start_ms=now_ms(),
         )
         self.writer = BackgroundWriter(
-            self.tracking_uri, self.spool.path, self.run_dir, retry_after_s=config.retry_after_s
+            self.tracking_uri,
+            self.spool.path,
+            self.run_dir,
+            retry_after_s=config.retry_after_s,
+            records=self.spool.records,
         )
         self._emit("params", params=flatten_config(config_dict or {}))
         self._emit("tags", tags=all_tags)
         if config_dict is not None:
             resolved = self.spool.path.with_suffix("") / "resolved_config.json"
-            write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
-            self.attach(resolved, "config")
+            try:
+                write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
+                self.attach(resolved, "config")
+            except OSError:
+                pass  # a spool folder without room: its warning is said by the spool
         self.writer.start()
         with _ACTIVE_LOCK:
             _ACTIVE.append(self)

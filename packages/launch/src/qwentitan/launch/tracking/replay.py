@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import hashlib
 import os
 import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from qwentitan.launch.base import env_defaults
@@ -50,7 +55,7 @@ def sync_run_dir(
         if number == len(spools) - 1:
             records = records + _late_reports(records, base)
         try:
-            with bounded_http_waits():
+            with bounded_http_waits(), _one_writer(uri):
                 if uri not in targets:
                     targets[uri] = MlflowTarget(uri)
                 done = replay(targets[uri], records, base, unfinished=UNFINISHED_STATUS)
@@ -62,6 +67,23 @@ def sync_run_dir(
             ) from None
         results.append(dataclasses.replace(done, damaged_lines=loaded.damaged_lines))
     return results
+
+
+@contextlib.contextmanager
+def _one_writer(uri: str) -> Iterator[None]:
+    """Hold a lock per local store (sqlite or a folder) while replaying into it: two sync-mlflow
+    at once into a new sqlite store would both create its tables and one would fail. The lock
+    file is in the temporary folder, so nothing is added beside the user's store."""
+    if "://" in uri and not uri.startswith(("sqlite:", "file:")):
+        yield  # a tracking server orders its own writes
+        return
+    name = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"qwentitan-mlflow-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _reason(error: Exception) -> str:

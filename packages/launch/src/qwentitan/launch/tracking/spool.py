@@ -8,40 +8,99 @@ sequence number `seq`; kinds: `run` (identity, first line), `params`, `tags`, `m
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
+from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, TextIO
 
 from qwentitan.launch.base.errors import LaunchError
+
+log = logging.getLogger(__name__)
 
 # Spools live in RUN_DIR/SPOOL_FOLDER/<run key>.jsonl, one file per training process that logged.
 SPOOL_FOLDER = "mlflow_spool"
 
 
 class SpoolWriter:
-    """Appends records, one flushed line each; safe to call from several threads."""
+    """Appends records, one flushed line each; safe to call from several threads.
+
+    Best-effort, like the MLflow server: a spool that cannot be written (full disk, read-only
+    folder) costs one warning and the spool, never a training step. From then on the records
+    are kept in memory (the newest `KEPT_IN_MEMORY`) for the live writer's catch-up, which
+    reads them through `records()`.
+    """
+
+    KEPT_IN_MEMORY = 10_000
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+        self.failed: OSError | None = None
         self._lock = threading.Lock()
         self._seq = 0
+        self._header: dict[str, Any] | None = None
+        self._memory: deque[dict[str, Any]] = deque(maxlen=self.KEPT_IN_MEMORY)
+        self._file: TextIO | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", encoding="utf-8")
+        except OSError as error:
+            self._lose(error)
 
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
         with self._lock:
             record = {"kind": kind, "seq": self._seq, **fields}
             self._seq += 1
-            # A line is written whole and flushed, so a crash leaves at most one torn last line.
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._file.flush()
+            if self._header is None:
+                self._header = record
+            if self._file is not None:
+                try:
+                    # A line is written whole and flushed, so a crash leaves at most one torn
+                    # last line.
+                    self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+                    self._file.flush()
+                    return record
+                except OSError as error:
+                    self._lose(error)
+            self._memory.append(record)
         return record
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record written so far that can still be read: the file's, then memory's."""
+        with self._lock:
+            memory = list(self._memory)
+            header = self._header
+        disk: list[dict[str, Any]] = []
+        with contextlib.suppress(OSError, LaunchError):
+            disk = read_spool(self.path)
+        last = disk[-1]["seq"] if disk else -1
+        records = disk + [record for record in memory if record["seq"] > last]
+        if header is not None and (not records or records[0]["kind"] != "run"):
+            records.insert(0, header)
+        return records
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+
+    def _lose(self, error: OSError) -> None:
+        log.warning(
+            "The MLflow spool %s cannot be written (%s); training goes on and MLflow still gets "
+            "each record, but sync-mlflow cannot replay what follows.",
+            self.path,
+            error.strerror or error,
+        )
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        self._file = None
+        self.failed = error
 
 
 # The fields each kind of record needs; a line without them is damaged (see `load_spool`).
@@ -67,11 +126,13 @@ class Spool:
 def load_spool(path: Path) -> Spool:
     """Every whole, well-formed record of a spool; damaged lines are skipped and counted.
 
-    A torn last line (no newline: the process died mid-write) is left out without counting it:
-    nothing of it was ever sent. The first line must be the run record, which names the run.
+    A torn last line (no newline: the process died mid-write) is counted as damaged too, so
+    sync-mlflow says it was left out. The first line must be the run record, which names the
+    run.
     """
     lines = path.read_bytes().split(b"\n")
-    lines.pop()  # after the last newline: empty, or a torn line
+    if not lines[-1]:
+        lines.pop()  # after the last newline
     records: list[dict[str, Any]] = []
     damaged: list[int] = []
     for number, line in enumerate(lines, start=1):
@@ -106,7 +167,55 @@ def _record(line: bytes) -> dict[str, Any] | None:
         return None
     if any(not isinstance(record[name], dict) for name in _MAPPINGS if name in fields):
         return None
-    return record
+    return record if _sound(record) else None
+
+
+_STATUSES = ("FINISHED", "FAILED", "KILLED", "RUNNING", "SCHEDULED")
+_INT64 = 2**63
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float)
+
+
+def _inside(path: Any) -> bool:
+    """A relative path that stays inside the folder it is relative to (lexically)."""
+    return (
+        isinstance(path, str)
+        and "\x00" not in path
+        and not PurePosixPath(path).is_absolute()
+        and ".." not in PurePosixPath(path).parts
+    )
+
+
+def _sound(record: dict[str, Any]) -> bool:
+    """Whether the record's values are what MLflow can take and the writer writes: a value that
+    is not is the spool's fault, and is reported as such (not as the store refusing it)."""
+    kind = record["kind"]
+    if kind == "run":
+        return isinstance(record["run_key"], str) and isinstance(record["experiment"], str)
+    if kind == "metrics":
+        step, time_ms = record["step"], record["time_ms"]
+        return (
+            isinstance(step, int)
+            and not isinstance(step, bool)
+            and 0 <= step < _INT64
+            and isinstance(time_ms, int)
+            and 0 <= time_ms < _INT64
+            and all(isinstance(k, str) and _number(v) for k, v in record["values"].items())
+        )
+    if kind in ("params", "tags"):
+        return all(_scalar(v) for v in record[kind].values())
+    if kind == "artifact":
+        # Only files of the run folder are uploaded: never an absolute path or a `..` escape.
+        return _inside(record["file"]) and record["file"] != "" and _inside(record["artifact_path"])
+    if kind == "end":
+        return record["status"] in _STATUSES
+    return True
 
 
 def find_spools(run_dir: Path) -> list[Path]:

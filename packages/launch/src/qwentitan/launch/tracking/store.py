@@ -156,7 +156,7 @@ def replay(
     points: dict[tuple[str, int], Point] = {}
     params: dict[str, str] = {}
     tags: dict[str, str] = {}
-    artifacts: list[tuple[Path, str]] = []
+    artifacts: list[tuple[Path | None, str]] = []
     end: dict[str, Any] | None = None
     for record in records[1:]:
         kind = record["kind"]
@@ -178,6 +178,8 @@ def replay(
     target.log(run_id, missing, new_params, tags)
     added = 0
     for file, artifact_path in artifacts:
+        if file is None:
+            continue  # a link leading out of the run folder: never uploaded
         if file.is_file() and not _has_artifact(target, run_id, artifact_path, file.name):
             target.log_artifact(run_id, file, artifact_path)
             added += 1
@@ -209,9 +211,15 @@ def _has_artifact(target: MlflowTarget, run_id: str, artifact_path: str, name: s
     return any(info.path == wanted for info in listed)
 
 
-def _resolve(base: Path, file: str) -> Path:
-    path = Path(file)
-    return path if path.is_absolute() else base / path
+def _resolve(base: Path, file: str) -> Path | None:
+    """`file` (relative to the run folder `base`), or None unless it is inside `base` with its
+    links followed (the spool's own check refuses absolute paths and `..`)."""
+    path = base / file
+    try:
+        inside = path.resolve().is_relative_to(base.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        return None
+    return path if inside else None
 
 
 def now_ms() -> int:

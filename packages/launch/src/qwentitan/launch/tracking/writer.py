@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,15 @@ class BackgroundWriter:
         run_dir: Path,
         retry_after_s: float = 60.0,
         max_queued: int = 100_000,
+        records: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.spool_path = spool_path
         self.run_dir = run_dir
         self.retry_after_s = retry_after_s
+        # What a catch-up replays: the spool file, or (from the logger) its SpoolWriter's records,
+        # which outlive a spool that could not be written.
+        self._records = records or (lambda: read_spool(spool_path))
         self.run_id: str | None = None
         self.error: BaseException | None = None
         self.sent_seq = -1  # every record up to this sequence number is in MLflow
@@ -92,7 +97,7 @@ class BackgroundWriter:
 
     def _catch_up(self, target: MlflowTarget) -> None:
         """Replay the spool so far: creates the run the first time, fills any gap after a failure."""
-        done = replay(target, read_spool(self.spool_path), self.run_dir)
+        done = replay(target, self._records(), self.run_dir)
         self.run_id = done.run_id
         self.sent_seq = done.last_seq
         if self.error is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.flags import non_negative
@@ -45,7 +46,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
 
 
+# What torchrun's c10d rendezvous takes: a host name, an IPv4 address or a bracketed IPv6 one,
+# and an optional port.
+_ENDPOINT = re.compile(
+    r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:(?P<port>\d{1,5}))?"
+)
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Refuse an --rdzv-endpoint torchrun could not parse, before anything starts."""
+    match = _ENDPOINT.fullmatch(endpoint)
+    if match is None or int(match.group("port") or 0) > 65535:
+        raise LaunchError(
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; pass the first node's host name or "
+            "address and a free port, e.g. node-1:29500."
+        )
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.rdzv_endpoint is not None:
+        check_endpoint(args.rdzv_endpoint)
     plan = plan_from_args(
         args,
         rdzv_endpoint=args.rdzv_endpoint,

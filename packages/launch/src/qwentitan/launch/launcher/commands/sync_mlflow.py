@@ -9,7 +9,8 @@ NAME = "sync-mlflow"
 HELP = (
     "Replay the MLflow spool of a training run folder into MLflow (after the server was slow or "
     "down); running it twice adds nothing. A run whose spool has no end record is ended FAILED; "
-    "exit 1 if damaged spool lines were skipped."
+    "exit 2 if damaged spool lines (bad JSON, bad values, a file outside the run folder, a "
+    "torn last line) were skipped."
 )
 
 
@@ -25,7 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import mlflow  # noqa: F401  (importing it configures its loggers, so the level is set after)
+
     from qwentitan.launch.tracking.replay import sync_run_dir
+
+    # MLflow's INFO lines (creating a new sqlite store's tables) say nothing a user acts on and
+    # would come before this command's own lines; its warnings and errors still show.
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
 
     try:
         results = sync_run_dir(args.run_dir, args.tracking_uri)
@@ -49,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
             lines = ", ".join(map(str, result.damaged_lines))
             print(
                 f"qwentitan-launch sync-mlflow: skipped damaged spool line(s) {lines} of run "
-                f"{result.run_id}; what they held is not in MLflow, everything else is.",
+                f"{result.run_id} (not JSON, a value MLflow cannot hold, a file outside the run "
+                "folder, or torn); what they held is not in MLflow, everything else is.",
                 file=sys.stderr,
             )
-    return 1 if damaged else 0
+    return 2 if damaged else 0

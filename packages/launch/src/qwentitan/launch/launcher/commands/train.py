@@ -8,9 +8,9 @@ so `plan --json` shows exactly the line `train` runs.
 Everything a user can get wrong is checked before any process starts, and refused in one
 sentence (exit 2): the numbers (by argparse), then the plan's own checks (`resolve_plan`: the
 recipe, the ranks this host holds, the sequence length, `--stop-after`, every override), every
-line of a local dataset, the tokenizer folder, the checkpoints already in the run folder (under
-`--resume`: whole, and of this recipe's model; without it: none), and the free disk the planned
-checkpoints need. Each fresh run without `--run-dir` gets its own
+line of a local dataset, the tokenizer folder, the checkpoints already
+in the run folder (under `--resume`: whole, and of this recipe's model; without it: none), and
+the free disk the planned checkpoints need. Each fresh run without `--run-dir` gets its own
 folder `outputs/RECIPE/<start time>`, and `outputs/RECIPE/latest` points at the newest one,
 which `--resume` continues: nothing is ever deleted. When the ranks end, `train` prints one
 summary block (`tracking.summary.format_summary`) from RUN_DIR/reports/summary.json, which the
@@ -92,9 +92,12 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.launcher.run_folder import (
         check_checkpoints,
         check_free_disk,
+        check_run_folder,
+        hold_run_folder,
         latest_run_folder,
         new_run_folder,
         point_latest,
+        resolved,
     )
     from qwentitan.launch.runtime.data import (
         OFFLINE,
@@ -106,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.runtime.preemption import supervise
 
     get_recipe(args.recipe)  # an unknown name is refused before anything slower
-    if args.dataset not in (None, OFFLINE):
-        check_dataset(resolve_dataset(args.dataset))
     if args.tokenizer is not None:
         check_tokenizer_folder(args.tokenizer)
 
@@ -123,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         run_dir = new_run_folder(base)
-    run_dir = run_dir.resolve()
+    run_dir = resolved(run_dir, folder_flag="--run-dir")
+    check_run_folder(run_dir, folder_flag="--run-dir")
 
     plan = resolve_plan(
         args.recipe,
@@ -140,6 +142,14 @@ def run(args: argparse.Namespace) -> int:
         extra_overrides=[*_train_overrides(args), *args.overrides],
         resume="latest" if args.resume else "fresh",
     )
+    if args.dataset not in (None, OFFLINE):
+        validator = plan.config.validator
+        check_dataset(
+            resolve_dataset(args.dataset),
+            data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
+            holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
+            validating=bool(validator.enable),
+        )
     check_checkpoints(
         plan,
         folder_flag="--run-dir",
@@ -159,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.time()
-    code = supervise(plan.launch_argv(), plan.rank_env())
+    with hold_run_folder(run_dir, folder_flag="--run-dir"):
+        code = supervise(plan.launch_argv(), plan.rank_env())
     summary = _summary_block(
         run_dir, plan.checkpoint_folder if plan.config.checkpoint.enable else None, started
     )

@@ -12,9 +12,11 @@ is the URL that opens the children side by side in the MLflow UI (`uv run nox -s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +89,11 @@ def run_pilot(
     for pair in chosen:
         for recipe in pair.recipes:
             recipe_info(recipe)  # a typo in PAIRS fails here, before anything trains
+    from qwentitan.launch.base.target import get_topology
+    from qwentitan.launch.runtime.platforms import host_target
+
+    # the Target's rank check, before any checkpoint or MLflow run is written
+    get_topology(host_target(), ranks_per_node=ranks, ranks_flag="--ranks")
     uri = resolve_tracking_uri(tracking_uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder = Path(run_dir) if run_dir else Path("outputs") / "pilot" / stamp
@@ -106,6 +113,7 @@ def run_pilot(
         tags={"pilot.children": ",".join(children), "pilot.perturbed": perturb or "none"},
     )  # fmt: skip
 
+    interrupts = _Interrupts().install()
     try:
         failed = []
         for pair in chosen:
@@ -118,7 +126,7 @@ def run_pilot(
                            "--", *start_overrides(weights), _LR, f"{lr:g}",
                            *child_overrides(uri, experiment, parent, child)]  # fmt: skip
                 print(f"pilot: {child} ({recipe}) from {weights}", flush=True)
-                if _train(command) != 0:
+                if interrupts.run(command) != 0:
                     failed.append(child)
         runs = {
             run.info.run_name: run.info.run_id
@@ -136,9 +144,13 @@ def run_pilot(
         results = [compare(pair, losses, steps) for pair in chosen]
         plot = plot_losses(losses, results, folder / PLOT)
         _log_results(target, parent, results, plot)
-    except BaseException as error:  # Ctrl-C (each `train` has saved and stopped), a full disk
+    except (
+        BaseException
+    ) as error:  # Ctrl-C (the running `train` has saved and stopped), a full disk
+        interrupts.uninstall()
         target.end(parent, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", now_ms())
         raise
+    interrupts.uninstall()
     passed = not failed and all(r.passed for r in results)
     target.log(parent, tags={"pilot.failed": ",".join(failed) or "none",
                              "pilot.result": "passed" if passed else "failed"})  # fmt: skip
@@ -239,15 +251,60 @@ def _ui(tracking_uri: str) -> str:
     return (tracking_uri if served else LOCAL_UI).rstrip("/")
 
 
+class _Interrupts:
+    """Ctrl-C (SIGINT) or SIGTERM to the pilot, to its pid or from a terminal to its process
+    group: passed on once to the running child `train`, which saves a checkpoint and stops;
+    then the pilot stops too (KeyboardInterrupt), so no later child starts. Installed on
+    purpose, also where the pilot started with SIGINT ignored (a background job, nox)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received = False
+        self.child: subprocess.Popen[bytes] | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> _Interrupts:
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.received = True
+        child = self.child
+        if child is not None and child.poll() is None:
+            # The child runs in a session of its own, so this is the one signal it gets per
+            # signal the pilot got: the first saves and stops, a second stops it at once.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signum)
+            return
+        raise KeyboardInterrupt
+
+    def run(self, command: list[str]) -> int:
+        """Run one child to its end; KeyboardInterrupt after it if a signal came meanwhile."""
+        if self.received:
+            raise KeyboardInterrupt
+        self.child = subprocess.Popen(command, start_new_session=True)
+        try:
+            code = self.child.wait()
+        finally:
+            self.child = None
+        if self.received:
+            raise KeyboardInterrupt
+        return code
+
+
 def _train(command: list[str]) -> int:
-    child = subprocess.Popen(command)
+    """One child `train` under the pilot's signal handling (see `_Interrupts`)."""
+    interrupts = _Interrupts().install()
     try:
-        return child.wait()
-    except KeyboardInterrupt:
-        # Ctrl-C reached `train` too, which saves a checkpoint and stops: wait for it (where
-        # subprocess.run would kill it a quarter second later). A second Ctrl-C stops both.
-        child.wait()
-        raise
+        return interrupts.run(command)
+    finally:
+        interrupts.uninstall()
 
 
 def _size_flags(seq_len: int | None, local_batch_size: int | None) -> list[str]:
@@ -258,12 +315,23 @@ def _size_flags(seq_len: int | None, local_batch_size: int | None) -> list[str]:
 
 
 def _start_checkpoint(folder: Path, flavor: str, seed: int) -> Path:
+    from safetensors import SafetensorError
+
     from qwentitan.modeling.initial_checkpoint import write_initial_checkpoint
 
     if not folder.exists():  # a resumed pilot folder keeps the weights it started from
         print(f"pilot: writing the seeded {flavor} checkpoint to {folder}", flush=True)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        write_initial_checkpoint(flavor, folder, seed=seed)
+        try:
+            write_initial_checkpoint(flavor, folder, seed=seed)
+        except SafetensorError as error:  # safetensors' own type for a failed write
+            text = str(error)
+            full = "No space left" in text or "StorageFull" in text
+            reason = "no space left on the disk" if full else text.splitlines()[0][:120]
+            raise LaunchError(
+                f"Could not write the seeded checkpoint {folder} ({reason}); free some space or "
+                "pass --run-dir on another disk."
+            ) from None
     return folder
 
 

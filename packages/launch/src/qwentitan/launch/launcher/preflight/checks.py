@@ -145,47 +145,32 @@ def check_disk(plan: LaunchPlan) -> CheckResult:
     )
 
 
-def uses_custom_ops(plan: LaunchPlan) -> bool:
-    """Whether the model config holds a component from qwentitan's kernel replacements."""
-    seen: set[int] = set()
-
-    def walk(node: object) -> bool:
-        if id(node) in seen or node is None or isinstance(node, (str, int, float, bool)):
-            return False
-        seen.add(id(node))
-        if type(node).__module__.startswith(("qwentitan.kernels", "qwentitan.modeling.kernel")):
-            return True
-        if isinstance(node, (list, tuple)):
-            return any(walk(v) for v in node)
-        if isinstance(node, dict):
-            return any(walk(v) for v in node.values())
-        fields = getattr(node, "__dataclass_fields__", None)
-        return bool(fields) and any(walk(getattr(node, f, None)) for f in fields)
+def check_kernels(plan: LaunchPlan) -> CheckResult:
+    """Launch every op the recipe's model runs once, forward and backward, by the route it takes
+    on this host (`nki.jit` / `wrap_nki` on neuron, the reference twin elsewhere), against an
+    independent PyTorch reference; reports the route and the largest difference per op."""
+    from qwentitan.modeling.kernel_path import rules_in
 
     spec = plan.config.model_spec
-    return spec is not None and walk(spec.model)
-
-
-def check_kernels(plan: LaunchPlan) -> CheckResult:
-    if not uses_custom_ops(plan):
+    rules = rules_in(spec.model) if spec is not None else []
+    if not rules:
         return CheckResult("kernels", "skip", "this recipe uses no custom ops")
-    from qwentitan.kernels import numerics_report
-    from qwentitan.kernels.numerics import OPS
+    from qwentitan.kernels import check_kernels as launch_each_op
 
     device = host_device_type()
-    reports = {op: numerics_report(op, device) for op in OPS}
+    checks = launch_each_op(rules, device=device)
     # The reference twins are exact on CPU; NKI kernels in bf16-accumulating tiles are not.
     tolerance = 1e-4 if device == "cpu" else 2e-2
-    figures = {op: r.worst for op, r in reports.items()}
-    bad = [op for op, r in reports.items() if not r.worst <= tolerance]
-    summary = ", ".join(f"{op} {r.worst:.2e}" for op, r in reports.items())
+    figures = {c.op: {"route": c.route, "max_abs_diff": c.max_abs_diff} for c in checks}
+    bad = [c.op for c in checks if not c.max_abs_diff <= tolerance]
+    summary = ", ".join(f"{c.op} {c.route} {c.max_abs_diff:.2e}" for c in checks)
     where = f"on {device}" + (
         "" if device == plan.topology.device_type else f" (not {plan.topology.device_type})"
     )
     return CheckResult(
         "kernels",
         "fail" if bad else "pass",
-        f"max |op - reference| {where}: {summary} (tolerance {tolerance:g})",
+        f"{summary}: max |op - reference| {where} (tolerance {tolerance:g})",
         figures,
     )
 

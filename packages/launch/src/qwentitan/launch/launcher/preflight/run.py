@@ -6,7 +6,7 @@ import socket
 from collections.abc import Callable
 
 from qwentitan.launch.launcher.plan import LaunchPlan
-from qwentitan.launch.launcher.preflight import checks, weights
+from qwentitan.launch.launcher.preflight import checks, init_ops, weights
 from qwentitan.launch.launcher.preflight.report import CheckResult, PreflightReport
 
 
@@ -32,6 +32,7 @@ def run_preflight(
         ("weights", lambda: weights.check_weights(plan, folder)),
         ("round_trip", lambda: weights.check_round_trip(plan, folder)),
         ("kernels", lambda: checks.check_kernels(plan)),
+        ("init_ops", lambda: init_ops.check_init_ops(plan)),
         ("initialisation", lambda: weights.check_initialisation(plan, folder, host)),
         ("disk", lambda: checks.check_disk(plan)),
     ]

@@ -1,75 +1,145 @@
-"""Check every line of local JSON-lines datasets before any rank starts, naming file and line.
+"""The one reading of a local JSON-lines dataset: the launcher's check and the ranks' loader both
+go through `read_documents`, so a line the check passes is a line every rank can take.
 
 A broken line deep in a file would otherwise crash every rank in the middle of training with a
 traceback that names neither. The check streams the file line by line and keeps nothing it
 parsed: a 1 GiB c4-style file takes about 4 s (measured: `json.loads` per line beat parsing
 8 MiB blocks as one JSON array, whose decode, join and list cost more than they saved).
+
+The rules, in this one place: blank lines and documents whose `text` is empty are skipped (they
+hold no token to train on: Qwen3 adds no BOS, and the EOS is only ever a target); a line that
+is not UTF-8 JSON holding a `text` string, or whose text pyarrow cannot store (a lone UTF-16
+surrogate, which Python's `json` accepts), is refused by file and line. A dataset too small for
+the run is refused too (`check_dataset`): a data-parallel rank whose slice holds no document
+would otherwise re-loop over nothing forever.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.runtime.data.loader import DataSource
 
-__all__ = ["check_dataset", "check_json_lines"]
+
+class _Source(Protocol):
+    """What the check reads of a `loader.DataSource` (which imports this module)."""
+
+    name: str
+    files: tuple[str, ...]
+
+
+__all__ = ["check_dataset", "check_json_lines", "minimum_documents", "read_documents"]
 
 _FIX = 'write one {"text": ...} object per line (c4 style), UTF-8'
 
 
-def check_dataset(source: DataSource) -> None:
-    """Refuse (LaunchError) the first line of a local source that is not a c4-style document."""
-    for file in source.files:
-        check_json_lines(Path(file))
+def minimum_documents(data_ranks: int, holdout_every: int, *, validating: bool) -> int:
+    """Documents a local dataset needs so that every data-parallel rank's training slice, and
+    (when `validating`) its validation slice, hold at least one.
+
+    The loader holds out every `holdout_every`-th document for validation (whether or not
+    validation runs) and torchtitan splits each slice over the ranks in contiguous shards.
+    """
+    if holdout_every < 2:
+        raise LaunchError(
+            f"holdout_every {holdout_every} leaves no training document; pass 2 or more."
+        )
+    documents = 1
+    while (documents - documents // holdout_every < data_ranks) or (
+        validating and documents // holdout_every < data_ranks
+    ):
+        documents += 1
+    return documents
+
+
+def check_dataset(
+    source: _Source, *, data_ranks: int = 1, holdout_every: int = 20, validating: bool = False
+) -> int:
+    """Refuse (LaunchError) the first line of a local source that is not a c4-style document,
+    or a source with fewer documents than `minimum_documents(...)` (the run's slices would be
+    empty); returns the number of documents.
+    """
+    documents = sum(check_json_lines(Path(file)) for file in source.files)
+    needed = minimum_documents(data_ranks, holdout_every, validating=validating)
+    if documents < needed:
+        where = source.name
+        why = (
+            f"every {holdout_every}th document is held out for validation and each of the "
+            f"{data_ranks} data-parallel rank(s) needs one of them"
+            if validating
+            else f"each of the {data_ranks} data-parallel rank(s) needs one"
+        )
+        raise LaunchError(
+            f"Dataset {where} holds {documents} document(s) but this run needs at least "
+            f"{needed} ({why}); add documents, or run fewer ranks"
+            + (" or without validation (`-- --validator.no-enable`)." if validating else ".")
+        )
+    return documents
 
 
 def check_json_lines(file: Path) -> int:
-    """Check that every line of `file` (.gz read through gzip) is UTF-8 JSON with a string `text`.
+    """Check every line of `file` (.gz read through gzip); return its number of documents.
 
-    Blank lines are allowed. Returns the number of documents; a file without any is refused.
+    A file without any document is refused.
     """
-    documents = 0
+    documents = sum(1 for _ in read_documents(file))
+    if not documents:
+        raise LaunchError(f"Dataset file {file} holds no documents; {_FIX}.")
+    return documents
+
+
+def read_documents(file: Path) -> Iterator[str]:
+    """The text of each document of `file`, in order, by the rules of the module doc;
+    LaunchError naming the file and line for the first line that breaks them."""
     try:
         with _open(file) as stream:
             for number, raw in enumerate(stream, start=1):
-                documents += _check_line(file, number, raw)
+                text = _document(file, number, raw)
+                if text:
+                    yield text
     except (OSError, EOFError) as error:  # unreadable, or a damaged .gz
         reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
         raise LaunchError(
             f"Dataset file {file} cannot be read ({reason}); check the file or pass another "
             "--dataset."
         ) from None
-    if not documents:
-        raise LaunchError(f"Dataset file {file} holds no documents; {_FIX}.")
-    return documents
 
 
 def _open(file: Path) -> BinaryIO:
     return gzip.open(file, "rb") if file.name.endswith(".gz") else open(file, "rb")
 
 
-def _check_line(file: Path, number: int, raw: bytes) -> int:
-    """1 for a document, 0 for a blank line; refuses anything else by its line number."""
+def _document(file: Path, number: int, raw: bytes) -> str:
+    """The line's text ("" for a blank line); refuses anything else by its line number."""
     try:
-        text = raw.decode("utf-8").rstrip("\r\n")
+        line = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as error:
         raise _bad_line(
             file, number, f"is not UTF-8 (byte {error.start + 1} of the line)"
         ) from None
+    if not line.strip():
+        return ""
     try:
-        value = json.loads(text)
+        value = json.loads(line)
     except json.JSONDecodeError as error:
-        if not text.strip():
-            return 0
         reason = f"{error.msg.removesuffix(' at')} at column {error.colno}"
         raise _bad_line(file, number, f"is not JSON ({reason})") from None
-    if not isinstance(value, dict) or not isinstance(value.get("text"), str):
+    if not isinstance(value, dict) or not isinstance(text := value.get("text"), str):
         raise _bad_line(file, number, "has no `text` string")
-    return 1
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _bad_line(
+            file,
+            number,
+            f"holds a lone UTF-16 surrogate escape (character {error.start + 1} of its text), "
+            "which is not Unicode text",
+        ) from None
+    return text
 
 
 def _bad_line(file: Path, number: int, what: str) -> LaunchError:

@@ -11,6 +11,9 @@ extension point), and keeps a held-out slice of local data for validation.
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -19,9 +22,12 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
+from torchtitan.tools.logging import logger
 
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.runtime.data.check import read_documents
 from qwentitan.launch.runtime.data.corpus import offline_corpus
+from qwentitan.launch.runtime.preemption import stop_if_overdue
 
 __all__ = ["OFFLINE", "DataSource", "TextDataLoader", "resolve_dataset"]
 
@@ -79,6 +85,20 @@ def _text(sample: dict[str, Any]) -> str:
     return sample["text"]
 
 
+def _rows(files: list[str]) -> Iterator[dict[str, str]]:
+    for file in files:
+        for text in read_documents(Path(file)):
+            yield {"text": text}
+
+
+def _fingerprint(files: tuple[str, ...]) -> str:
+    """Names the cached Arrow table of `files`: their paths, sizes and modification times, and
+    the reading rules' module, so an edited file or rule is read again."""
+    rules = Path(sys.modules[read_documents.__module__].__file__ or "")
+    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in (*files, str(rules))]
+    return "qwentitan-" + hashlib.sha256(repr(stats).encode()).hexdigest()[:32]
+
+
 def _register(source: DataSource, split: str, holdout_every: int) -> str:
     """Enter the source in torchtitan's dataset table; return the key to ask for it by."""
     if not source.is_local and source.hub is None:
@@ -92,9 +112,16 @@ def _register(source: DataSource, split: str, holdout_every: int) -> str:
     if source.is_local:
 
         def load(path: str) -> Any:
-            from datasets import load_dataset
+            from datasets import Dataset
 
-            documents = load_dataset("json", data_files=list(source.files), split="train")
+            # Read by the same `read_documents` as the launcher's check (not `datasets`' JSON
+            # loader, which refuses blank lines and infers a schema from every field), so
+            # every line the check passed is one document here.
+            documents = Dataset.from_generator(
+                _rows,
+                gen_kwargs={"files": list(source.files)},
+                fingerprint=_fingerprint(source.files),
+            )
             # Every `holdout_every`-th document is the validation slice; the rest is training.
             keep = [
                 i
@@ -114,6 +141,32 @@ def _register(source: DataSource, split: str, holdout_every: int) -> str:
         path=source.hub or source.name, loader=load, sample_processor=_text
     )
     return key
+
+
+class _TextDataset(HuggingFaceTextDataset):
+    """torchtitan's packing dataset, with two stops its endless loop lacks."""
+
+    def __init__(self, *args: Any, dp_rank: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, dp_rank=dp_rank, **kwargs)
+        self._dp_rank = dp_rank
+
+    def _get_data_iter(self) -> Iterator[Any]:
+        for sample in super()._get_data_iter():
+            # A preemption signal is honoured at the step boundary; one still pending long
+            # after it arrived means this rank is stuck reading data, and ends it here.
+            stop_if_overdue("loading data")
+            yield sample
+
+    def reloop(self) -> None:
+        if self._sample_idx == 0:
+            # A slice without documents would re-loop over nothing forever (the launcher's
+            # `check_dataset` refuses a local dataset this small before any rank starts).
+            logger.error(
+                f"Dataset {self.dataset_name} holds no document for data-parallel rank "
+                f"{self._dp_rank}; use a larger dataset or fewer ranks."
+            )
+            raise SystemExit(2)  # one sentence, not a traceback per rank
+        super().reloop()
 
 
 class TextDataLoader(ParallelAwareDataloader):
@@ -147,7 +200,7 @@ class TextDataLoader(ParallelAwareDataloader):
         **kwargs: Any,
     ) -> None:
         key = _register(resolve_dataset(config.dataset), config.split, config.holdout_every)
-        dataset = HuggingFaceTextDataset(
+        dataset = _TextDataset(
             dataset_name=key,
             dataset_path=None,
             tokenizer=tokenizer,

@@ -201,4 +201,14 @@ def check_tokenizer_folder(folder: str | Path) -> Path:
             f"Tokenizer folder {folder} has no tokenizer.json; pass a Hugging Face model folder "
             "(for example one saved by `save_pretrained`) or leave --tokenizer out for Qwen3's."
         )
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    try:  # exactly what every rank will do with it
+        HuggingFaceTokenizer(tokenizer_path=str(folder))
+    except Exception as error:  # tokenizers' and json's own errors for a damaged file
+        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        raise LaunchError(
+            f"Tokenizer folder {folder} cannot be loaded ({reason}); pass an undamaged Hugging "
+            "Face model folder or leave --tokenizer out for Qwen3's."
+        ) from None
     return folder

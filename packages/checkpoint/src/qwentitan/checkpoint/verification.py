@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qwentitan.checkpoint import dcp_io
+from qwentitan.checkpoint import dcp_read
 from qwentitan.checkpoint.convert import MEMORY_BUDGET, THREADS, check_hf_tensors
 from qwentitan.checkpoint.disk import differing_elements
 from qwentitan.checkpoint.layout import NON_MODEL_PREFIXES, Qwen3Layout, TitanTensor, read_config
@@ -45,6 +46,8 @@ class VerifyReport:
     nonzero_expert_bias: list[str] = field(default_factory=list)
     logits_max_abs_diff: float | None = None
     logits_tolerance: float | None = None
+    # With logits: the weights holding NaN or Inf (logits computed from them are not finite).
+    nonfinite_tensors: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -93,7 +96,15 @@ class VerifyReport:
             ),
         )
         section("non-zero expert_bias_E (no HF counterpart)", self.nonzero_expert_bias, str)
-        if self.logits_max_abs_diff is not None:
+        if self.logits_max_abs_diff is not None and not _finite(
+            self.logits_max_abs_diff, self.logits_tolerance
+        ):
+            lines.append("  logits are NaN or Inf, so they cannot be compared:")
+            if self.nonfinite_tensors:
+                section("tensors holding NaN or Inf", self.nonfinite_tensors, str)
+            else:
+                lines.append("    no weight holds NaN or Inf: the models overflow on the prompt")
+        elif self.logits_max_abs_diff is not None:
             lines.append(
                 f"  logits max |diff| (HF vs torchtitan Qwen3): {self.logits_max_abs_diff:.3g} "
                 f"(tolerance {self.logits_tolerance:.3g}: {RELATIVE_TOLERANCE:g} of the largest "
@@ -117,7 +128,7 @@ def verify(
     config, config_file = read_config(hf_dir)
     layout = Qwen3Layout.from_config(config, config_file)
     check_hf_tensors(hf, layout, config_file)
-    ckpt = dcp_io.DCPFolder(dcp_dir)
+    ckpt = dcp_read.DCPFolder(dcp_dir)
     report = VerifyReport(hf_dir, dcp_dir)
 
     tensors = layout.titan_tensors()
@@ -139,7 +150,7 @@ def verify(
         else:
             comparable.append(t)
 
-    budget = dcp_io.MemoryBudget(MEMORY_BUDGET)
+    budget = dcp_read.MemoryBudget(MEMORY_BUDGET)
 
     def compare(t: TitanTensor) -> None:
         nbytes = torch.empty(t.shape, dtype=ckpt.tensors[t.name][1], device="meta").nbytes
@@ -153,6 +164,8 @@ def verify(
             parts = want.unbind(0) if t.stacked else (want,)
             for name, part in zip(t.hf_names, parts, strict=True):
                 read_into(hf.tensors[name], part)
+            if logits and want.is_floating_point() and not bool(torch.isfinite(want).all()):
+                report.nonfinite_tensors.append(t.name)
             difference = _difference(t.name, want, got)
             if difference is not None:
                 report.value_mismatches.append(difference)
@@ -166,6 +179,7 @@ def verify(
     )
     report.value_mismatches.sort(key=lambda d: d.name)
     report.nonzero_expert_bias.sort()
+    report.nonfinite_tensors.sort()
 
     if logits:
         from qwentitan.checkpoint.logits import compare_logits
@@ -174,6 +188,10 @@ def verify(
             hf_dir, dcp_dir, config
         )
     return report
+
+
+def _finite(*values: float | None) -> bool:
+    return all(v is not None and math.isfinite(v) for v in values)
 
 
 def _difference(name: str, want: torch.Tensor, got: torch.Tensor) -> ValueDifference | None:
