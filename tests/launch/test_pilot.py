@@ -217,7 +217,8 @@ def test_more_ranks_than_the_host_holds_is_refused_before_anything_is_written(tm
         == 2
     )
     err = capsys.readouterr().err
-    assert err.startswith("pilot: --ranks 9999 is more than this") and err.count("\n") == 1
+    assert err.startswith("qwentitan-launch pilot: --ranks 9999 is more than this")
+    assert err.count("\n") == 1
     assert os.listdir(tmp_path) == []
 
 
