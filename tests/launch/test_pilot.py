@@ -238,7 +238,8 @@ def test_a_safetensors_write_on_a_full_disk_is_one_sentence(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(
-        f"pilot: Could not write the seeded checkpoint {tmp_path / 'pilot' / 'start' / 'tiny-dense'}"
+        "qwentitan-launch pilot: Could not write the seeded checkpoint "
+        f"{tmp_path / 'pilot' / 'start' / 'tiny-dense'}"
         " (no space left on the disk); free some space"
     )
 
