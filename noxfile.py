@@ -147,14 +147,16 @@ def pilot(session: nox.Session) -> None:
     `-- --help` lists the rest. Then `uv run nox -s mlflow_ui` and open the URLs it printed.
     """
     _sync(session, "--all-packages")
-    session.run("python", "-m", "qwentitan.launch.launcher.pilot", *session.posargs)
+    session.run("qwentitan-launch", "pilot", *session.posargs)
 
 
 @nox.session
 def mlflow_ui(session: nox.Session) -> None:
     """Serve the MLflow UI on the local store (./mlflow.db) at http://127.0.0.1:5000."""
     _sync(session, "--all-packages")
-    store = os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{Path.cwd() / 'mlflow.db'}")
+    # The store training logs to, as qwentitan.launch's one reader of the environment says.
+    where = "from qwentitan.launch.base.env_defaults import tracking_uri; print(tracking_uri())"
+    store = session.run("python", "-c", where, silent=True).strip()
     session.run(
         "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", "5000",
         *session.posargs,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def launch(args: list[str], log: Path) -> subprocess.Popen:
     """`qwentitan-launch run ARGS` on the CPU platform, output to `log`."""
-    env = dict(os.environ, QWENTITAN_PLATFORM="cpu", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
         [sys.executable, "-m", "qwentitan.launch.launcher.cli", "run", *args],
         stdout=log.open("w"),
@@ -56,14 +56,15 @@ def test_two_nodes_of_one_rank_train_the_tiny_moe_recipe(tmp_path, free_port):
         "--steps", "3", "--dump-folder", str(run_dir),
     ]  # fmt: skip
     logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
-    nodes = [launch([*common, "--node-rank", str(k)], logs[k]) for k in (0, 1)]
+    nodes = [launch(common, logs[k]) for k in (0, 1)]
     codes = [n.wait(timeout=600) for n in nodes]
     text = [log.read_text() for log in logs]
     assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
     # Each node's plan: one rank here, world size 2 over the two nodes.
     assert all("ranks         2 = 2 x 1 per node" in t for t in text)
-    # Global rank 0 (node 0) trained all three steps with FSDP over both nodes.
-    assert logged_steps(text[0]) == [1, 2, 3]
+    # Global rank 0 (on whichever node joined first: c10d numbers them) trained all three steps
+    # with FSDP over both nodes.
+    assert [1, 2, 3] in [logged_steps(t) for t in text]
     checkpoint = run_dir / "checkpoint"
     assert saved_steps(checkpoint) == [3]
     # DCP writes one shard file per rank: two ranks took part.

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.slow
 TINY = ["--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1"]
 
 
-@pytest.fixture(autouse=True)
-def cpu_platform(monkeypatch):
-    monkeypatch.setenv("QWENTITAN_PLATFORM", "cpu")
-
-
 @pytest.fixture(scope="module")
 def trained_weights(trained_tiny, tmp_path_factory) -> Path:
     """The shared tiny run's last checkpoint, exported to an HF folder with qwentitan-ckpt."""

@@ -72,7 +72,6 @@ NUMERIC = [
     (["train", "--seq-len", "-256"], "--seq-len: -256 is out of range"),
     (["train", "--ranks", "0"], "--ranks: 0 is out of range"),
     (["train", "--stop-after", "0"], "--stop-after: 0 is out of range"),
-    (["run", "--recipe", "tiny_dense", "--node-rank", "-1"], "--node-rank: -1 is out of range"),
     (["run", "--recipe", "tiny_dense", "--max-restarts", "-2"], "--max-restarts: -2 is out"),
     (["slurm", "--recipe", "tiny_dense", "--port", "99999"], "--port: 99999 is out of range"),
     (["slurm", "--recipe", "tiny_dense", "--port", "0"], "--port: 0 is out of range"),

@@ -72,14 +72,13 @@ MEASURE = textwrap.dedent(
 @pytest.mark.slow
 def test_estimate_matches_measured_peak_of_tiny_recipe(tmp_path):
     overrides = ["--training.steps", "2", "--dump-folder", str(tmp_path / "run"), "--checkpoint.no-enable",
-                 "--training.disable-cuda-graphs"]  # fmt: skip
+                 "--target", "cpu"]  # fmt: skip
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1, steps=2,
                         dump_folder=str(tmp_path / "run"))  # fmt: skip
     script = tmp_path / "measure.py"
     script.write_text(MEASURE)
     env = dict(
         os.environ,
-        QWENTITAN_PLATFORM="cpu",
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",

@@ -25,11 +25,10 @@ import pytest
 import torch
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.topology import get_topology
+from qwentitan.launch.base.target import get_topology
 from qwentitan.launch.launcher.cli import main
-from qwentitan.launch.launcher.environment import lnc_in_compiler_flags, merged_env
+from qwentitan.launch.launcher.environment import lnc_in_compiler_flags, plan_env
 from qwentitan.launch.launcher.plan import load_config
-from qwentitan.launch.launcher.topology_env import plan_env
 from qwentitan.launch.runtime.platforms import get_platform
 
 GIB = 1024**3
@@ -130,7 +129,7 @@ def neuron(monkeypatch):
 
 @pytest.mark.parametrize("local_rank", [0, 1, 63])
 def test_every_rank_of_a_trn2_node_starts_its_process_group(neuron, local_rank):
-    env = plan_env(get_topology("trn2.48xlarge"), nodes=1, compile_cache="/tmp/neff")
+    env, _ = plan_env(get_topology("trn2.48xlarge"), nodes=1, shell={}, compile_cache="/tmp/neff")
     env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE="64")
     fake = neuron()
     fake.init_process_group(env)
@@ -148,12 +147,18 @@ def test_trn2_plans_name_no_core_range(recipe, capsys):
 def test_a_core_range_in_the_shell_is_refused_in_one_sentence():
     from qwentitan.launch.launcher.plan import resolve_plan
 
-    plan = resolve_plan("qwen3_4b_native")
     with pytest.raises(LaunchError, match=r"^NEURON_RT_VISIBLE_CORES=0-63 .* unset it"):
-        merged_env(plan, {"NEURON_RT_VISIBLE_CORES": "0-63"})
+        resolve_plan("qwen3_4b_native", shell={"NEURON_RT_VISIBLE_CORES": "0-63"})
     # One core is what a user pins on purpose for a one-rank run; it is passed through.
-    assert merged_env(plan, {"NEURON_RT_VISIBLE_CORES": "5"})["NEURON_RT_VISIBLE_CORES"] == "5"
-    assert "NEURON_RT_VISIBLE_CORES" not in merged_env(plan, {})
+    one = resolve_plan(
+        "tiny_dense",
+        instance="trn2.48xlarge",
+        ranks_per_node=1,
+        seq_len=512,
+        shell={"NEURON_RT_VISIBLE_CORES": "5"},
+    )
+    assert one.rank_env({"NEURON_RT_VISIBLE_CORES": "5"})["NEURON_RT_VISIBLE_CORES"] == "5"
+    assert "NEURON_RT_VISIBLE_CORES" not in one.rank_env({})
 
 
 # finding 5: TorchNeuron's nested memory_stats
@@ -172,7 +177,8 @@ def test_neuron_memory_reads_the_nested_allocator_statistics(neuron, monkeypatch
     (folder / "peak").write_text(str(8 * GIB))
     monkeypatch.setattr(neuron_runtime, "SYSFS_ROOT", tmp_path)
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "1")
-    assert get_platform("neuron").memory_stats().device_peak_bytes == 8 * GIB
+    # logical core 1 at the plan's LNC 2 is physical cores 2 and 3
+    assert get_platform("neuron", lnc=2).memory_stats().device_peak_bytes == 8 * GIB
 
 
 def test_torchtitans_memory_monitor_reads_the_neuron_peak(neuron, monkeypatch):
@@ -261,9 +267,8 @@ def test_every_spelling_of_the_compiler_lnc_is_read(flags, lnc):
 def test_a_conflicting_short_lnc_flag_is_refused():
     from qwentitan.launch.launcher.plan import resolve_plan
 
-    plan = resolve_plan("qwen3_4b_native")
     with pytest.raises(LaunchError, match="NEURON_CC_FLAGS sets --lnc=1"):
-        merged_env(plan, {"NEURON_CC_FLAGS": "-O1 -lnc 1"})
+        resolve_plan("qwen3_4b_native", shell={"NEURON_CC_FLAGS": "-O1 -lnc 1"})
 
 
 # finding 10 (and 6 in preflight): the one-step compile smoke
@@ -275,6 +280,7 @@ def _smoke_runner(seconds: float, fallback: list[str] | None):
 
     def run(command: list[str], env: dict[str, str]) -> int:
         calls.append(command)
+        run.envs.append(env)
         folder = Path(command[command.index("--dump-folder") + 1])
         folder.mkdir(parents=True, exist_ok=True)
         report = {"step": 1, "seconds": seconds, "fallback_ops": fallback}
@@ -283,6 +289,7 @@ def _smoke_runner(seconds: float, fallback: list[str] | None):
         return 0
 
     run.calls = calls
+    run.envs = []
     return run
 
 
@@ -290,6 +297,7 @@ def test_compile_smoke_reports_the_first_step_time(monkeypatch):
     from qwentitan.launch.launcher.plan import resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
+    monkeypatch.delenv("QWENTITAN_MLFLOW", raising=False)  # MLflow on by default
     plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
     runner = _smoke_runner(312.5, None)
     result = checks.check_compile_smoke(plan, runner=runner)
@@ -301,6 +309,8 @@ def test_compile_smoke_reports_the_first_step_time(monkeypatch):
     config = load_config("tiny_dense", overrides)
     assert config.training.steps == 1 and not config.checkpoint.enable
     assert config.dump_folder == command[command.index("--dump-folder") + 1]
+    # MLflow is off through the config, not through an environment variable set here
+    assert not config.metrics.mlflow.enable and "QWENTITAN_MLFLOW" not in runner.envs[0]
 
 
 def test_compile_smoke_fails_a_step_that_falls_back_unless_allowed(monkeypatch):
@@ -383,7 +393,7 @@ def test_the_real_torchneuron_still_has_the_faked_shapes():
 def test_an_installed_torchneuron_is_found_with_autoload_off(tmp_path, monkeypatch):
     """With TORCH_DEVICE_BACKEND_AUTOLOAD=0 nothing imports torch_neuronx, so torch.neuron is
     missing until someone does; the platform layer must, or a trn2 host trains on its CPU."""
-    from qwentitan.launch.runtime.platforms import PLATFORM_ENV, current_platform
+    from qwentitan.launch.runtime.platforms import get_platform, host_device
 
     package = tmp_path / "torch_neuronx"
     package.mkdir()
@@ -395,20 +405,21 @@ def test_an_installed_torchneuron_is_found_with_autoload_off(tmp_path, monkeypat
     monkeypatch.setattr(torch, "neuron", None, raising=False)  # undone: torch.neuron removed
     monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # undone: the import forgotten
     monkeypatch.delitem(sys.modules, "torch_neuronx")
-    monkeypatch.delenv(PLATFORM_ENV, raising=False)
-    platform = current_platform()
-    assert (platform.name, platform.max_ranks) == ("neuron", 64)
+    assert host_device() == "neuron"
+    assert get_platform("neuron").max_ranks == 64
 
 
-def test_preflight_cli_adds_the_smoke_on_request_and_names_a_core_range(monkeypatch, capsys):
+def test_preflight_cli_adds_the_smoke_on_request_and_refuses_a_core_range(monkeypatch, capsys):
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-63")
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    assert main(["preflight", "--recipe", "qwen3_4b_native", "--json"]) == 2
+    assert "NEURON_RT_VISIBLE_CORES=0-63 is set" in capsys.readouterr().err
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
     main(["preflight", "--recipe", "qwen3_4b_native", "--compile-smoke", "--json"])
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["compile_smoke"]["status"] == "skip"  # this host is no trn2
-    assert checks["lnc"]["status"] == "fail"
-    assert "NEURON_RT_VISIBLE_CORES=0-63" in checks["lnc"]["detail"]
+    assert checks["lnc"]["status"] == "pass"
     main(["preflight", "--recipe", "qwen3_4b_native", "--json"])
     assert "compile_smoke" not in {c["name"] for c in json.loads(capsys.readouterr().out)["checks"]}
 

@@ -217,7 +217,8 @@ def test_more_ranks_than_the_host_holds_is_refused_before_anything_is_written(tm
         == 2
     )
     err = capsys.readouterr().err
-    assert err.startswith("pilot: --ranks 9999 is more than this") and err.count("\n") == 1
+    assert err.startswith("qwentitan-launch pilot: --ranks 9999 is more than this")
+    assert err.count("\n") == 1
     assert os.listdir(tmp_path) == []
 
 
@@ -237,7 +238,8 @@ def test_a_safetensors_write_on_a_full_disk_is_one_sentence(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(
-        f"pilot: Could not write the seeded checkpoint {tmp_path / 'pilot' / 'start' / 'tiny-dense'}"
+        "qwentitan-launch pilot: Could not write the seeded checkpoint "
+        f"{tmp_path / 'pilot' / 'start' / 'tiny-dense'}"
         " (no space left on the disk); free some space"
     )
 

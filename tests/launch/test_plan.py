@@ -6,7 +6,7 @@ import pytest
 
 import qwentitan.launch.launcher.plan as plan_module
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.environment import lnc_in_compiler_flags, merged_env
+from qwentitan.launch.launcher.environment import check_shell
 from qwentitan.launch.launcher.plan import resolve_plan
 from qwentitan.launch.launcher.plan_cli import describe
 
@@ -27,22 +27,23 @@ def test_fsdp_over_all_64_ranks_by_default():
     d = p.to_dict()
     assert (d["world_size"], d["ranks_per_node"], d["lnc"]) == (64, 64, 2)
     assert d["parallelism"] == {"fsdp": 64, "dp_replicate": 1, "tp": 1, "cp": 1, "pp": 1, "ep": 1}
-    assert d["seq_len_rule"] == {"multiple_of": 256, "rule": "128 x LNC 2", "ok": True}
+    assert d["seq_len_rule"] == {"multiple_of": 512, "rule": "NKI attention", "ok": True}
     json.dumps(d)  # serialisable as printed by `plan --json`
 
 
-def test_env_keeps_runtime_lnc_and_compiler_flag_equal():
+def test_env_sets_the_runtime_lnc_only():
     for lnc in (2, 1):
         env = plan(lnc=lnc).env
         assert env["NEURON_LOGICAL_NC_CONFIG"] == str(lnc)
-        assert lnc_in_compiler_flags(env["NEURON_CC_FLAGS"]) == lnc
+        # TorchNeuron passes --lnc from the runtime's variable to the compiler itself
+        assert "NEURON_CC_FLAGS" not in env
         assert "NEURON_RT_VISIBLE_CORES" not in env  # TorchNeuron sets one core per rank
         assert env["TORCH_NEURONX_NEFF_CACHE_DIR"]
         assert "FI_PROVIDER" not in env  # EFA only across nodes
 
 
 def test_two_nodes_double_the_world_and_add_efa():
-    p = plan(nodes=2, rdzv_endpoint="head:29500", node_rank=1)
+    p = plan(nodes=2, rdzv_endpoint="head:29500")
     assert p.world_size == 128 and p.degrees.data_parallel_shard == 128
     assert p.env["FI_PROVIDER"] == "efa"
     args = p.torchrun_args()
@@ -69,7 +70,7 @@ def test_torchrun_line_passes_recipe_and_overrides_to_the_trainer():
         ({"fsdp": 8, "tp": 4}, r"FSDP 8 x TP 4 .* = 32 is not the world size of 64 ranks"),
         ({"tp": 3}, r"= 3 does not divide the world size of 64 ranks.*--tp"),
         ({"lnc": 3}, r"LNC 3 is not valid on trn2.48xlarge.*--lnc 2"),
-        ({"seq_len": 1000}, r"--seq-len 1000 is not a multiple of 256.*--seq-len 1024"),
+        ({"seq_len": 1000}, r"--seq-len 1000 is not a multiple of 512.*--seq-len 1024"),
         ({"instance": "g5.xlarge"}, r"Unknown instance 'g5.xlarge'.*--instance"),
         ({"ep": 2}, r"no experts.*drop --ep"),
     ],
@@ -80,10 +81,11 @@ def test_wrong_combinations_are_refused_in_one_sentence(kw, match):
     assert "\n" not in str(info.value)
 
 
-def test_lnc1_accepts_seq_len_multiple_of_128_only():
-    assert plan(lnc=1, seq_len=1152).seq_len == 1152
-    with pytest.raises(LaunchError, match="multiple of 256"):
-        plan(lnc=2, seq_len=1152)
+def test_neuron_seq_len_follows_the_nki_attention_kernels_at_any_lnc():
+    assert plan(lnc=1, seq_len=1536).seq_len == 1536
+    for lnc in (1, 2):
+        with pytest.raises(LaunchError, match="multiple of 512"):
+            plan(lnc=lnc, seq_len=1152)
 
 
 def test_unknown_recipe_is_refused():
@@ -115,11 +117,31 @@ def test_describe_shows_the_numbers():
     assert "NEURON_LOGICAL_NC_CONFIG=2" in text and "torchrun" in text
 
 
-def test_merged_env_refuses_a_conflicting_shell_lnc():
+def test_the_shell_is_checked_when_the_plan_is_resolved():
     p = plan()
-    with pytest.raises(LaunchError, match="NEURON_LOGICAL_NC_CONFIG=1 is set"):
-        merged_env(p, {"NEURON_LOGICAL_NC_CONFIG": "1"})
     with pytest.raises(LaunchError, match="NEURON_CC_FLAGS sets --lnc=1"):
-        merged_env(p, {"NEURON_CC_FLAGS": "--lnc 1 -O1"})
-    env = merged_env(p, {"NEURON_CC_FLAGS": "-O1", "PATH": "/bin"})
-    assert env["NEURON_CC_FLAGS"] == "-O1 --lnc=2" and env["PATH"] == "/bin"
+        check_shell(p.topology, {"NEURON_CC_FLAGS": "--lnc 1 -O1"})
+    with pytest.raises(LaunchError, match="NEURON_CC_FLAGS sets --lnc=1"):
+        plan(shell={"NEURON_CC_FLAGS": "--lnc 1 -O1"})
+    env = p.rank_env({"NEURON_CC_FLAGS": "-O1", "PATH": "/bin"})
+    assert env["NEURON_CC_FLAGS"] == "-O1" and env["PATH"] == "/bin"
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "2"
+
+
+@pytest.mark.parametrize("visible", ["5", "0,1", "0-63"])
+def test_visible_cores_in_the_shell_are_refused_for_several_ranks_per_node(visible):
+    with pytest.raises(LaunchError, match=rf"^NEURON_RT_VISIBLE_CORES={visible} is set") as info:
+        plan(shell={"NEURON_RT_VISIBLE_CORES": visible})
+    assert "\n" not in str(info.value)
+    # one rank per node may keep one named core; never several
+    assert plan(ranks_per_node=1, fsdp=1, shell={"NEURON_RT_VISIBLE_CORES": "5"}).world_size == 1
+
+
+def test_compile_on_neuron_gets_the_neuron_backend_and_refuses_others():
+    p = plan(extra_overrides=["--compile.enable"])
+    assert p.config.compile.backend == "neuron"
+    assert p.overrides[-2:] == ["--compile.backend", "neuron"]
+    assert "backend neuron" in describe(p)
+    with pytest.raises(LaunchError, match=r"^Compile backend 'inductor' does not target trn2"):
+        plan(extra_overrides=["--compile.enable", "--compile.backend", "inductor"])
+    assert plan(instance="cpu", seq_len=None).config.compile.enable is False

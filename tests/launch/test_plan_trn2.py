@@ -16,12 +16,12 @@ def test_plan_json_shows_64_ranks_lnc2_fsdp64_and_the_seq_len_rule(recipe, capsy
     assert plan["topology"]["instance"] == "trn2.48xlarge"
     assert (plan["world_size"], plan["ranks_per_node"], plan["lnc"]) == (64, 64, 2)
     assert plan["parallelism"]["fsdp"] == 64 and plan["parallelism"]["tp"] == 1
-    assert plan["seq_len_rule"]["multiple_of"] == 256 and plan["seq_len_rule"]["ok"]
-    assert plan["seq_len"] % 256 == 0
-    assert (
-        plan["env"]["NEURON_LOGICAL_NC_CONFIG"] == "2"
-        and plan["env"]["NEURON_CC_FLAGS"] == "--lnc=2"
-    )
+    assert plan["seq_len_rule"]["multiple_of"] == 512 and plan["seq_len_rule"]["ok"]
+    assert plan["seq_len"] % 512 == 0
+    assert plan["env"]["NEURON_LOGICAL_NC_CONFIG"] == "2" and "NEURON_CC_FLAGS" not in plan["env"]
+    words = plan["torchrun"]
+    assert words[words.index("--target") + 1] == "trn2.48xlarge"  # the device is config
+    assert words[words.index("--lnc") + 1] == "2"
     assert plan["memory_per_rank"]["fits"] and plan["memory_per_rank"]["available_gib"] == 24.0
     assert plan["torchrun"][plan["torchrun"].index("--config") + 1] == recipe
 
@@ -47,7 +47,7 @@ def test_recipe_specifics(capsys):
     [
         (["--fsdp", "8", "--tp", "4"], "is not the world size of 64 ranks"),
         (["--lnc", "3"], "LNC 3 is not valid on trn2.48xlarge"),
-        (["--seq-len", "1000"], "--seq-len 1000 is not a multiple of 256"),
+        (["--seq-len", "1000"], "--seq-len 1000 is not a multiple of 512"),
         (["--instance", "trn9.huge"], "Unknown instance 'trn9.huge'"),
         (["--ac", "none"], "GiB per rank but a trn2.48xlarge rank at LNC 2 has 24.0 GiB"),
         (["--local-batch-size", "4"], "Global batch 64 is not a multiple of local batch 4"),
@@ -60,8 +60,7 @@ def test_wrong_combinations_exit_2_with_one_sentence(flags, words, capsys):
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-def test_run_off_trainium_prints_the_plan_then_fails_in_one_sentence(capsys, monkeypatch):
-    monkeypatch.setenv("QWENTITAN_PLATFORM", "cpu")
+def test_run_off_trainium_prints_the_plan_then_fails_in_one_sentence(capsys):
     assert main(["run", "--recipe", "qwen3_4b_hf"]) == 2
     captured = capsys.readouterr()
     assert "64 = 1 x 64 per node" in captured.out and "torchrun" in captured.out
@@ -69,3 +68,38 @@ def test_run_off_trainium_prints_the_plan_then_fails_in_one_sentence(capsys, mon
     assert len(err.splitlines()) == 1 and "no Neuron devices" in err and "--dry-run" in err
     assert main(["run", "--recipe", "qwen3_4b_hf", "--dry-run"]) == 0
     assert "LNC 2" in capsys.readouterr().out
+
+
+def test_an_exported_compile_cache_is_honoured_and_its_source_shown(capsys, monkeypatch):
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/scratch/neff-cache")
+    run = ["run", "--recipe", "qwen3_4b_native", "--instance", "trn2.48xlarge", "--dry-run"]
+    assert main(run) == 0
+    out = capsys.readouterr().out
+    assert "TORCH_NEURONX_NEFF_CACHE_DIR=/scratch/neff-cache  (environment)" in out
+    assert main([*run, "--compile-cache", "/fast/neff"]) == 0  # a flag overrides the export
+    assert "TORCH_NEURONX_NEFF_CACHE_DIR=/fast/neff  (flag)" in capsys.readouterr().out
+    monkeypatch.delenv("TORCH_NEURONX_NEFF_CACHE_DIR")
+    assert main(run) == 0
+    assert "neuron-compile-cache  (default)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("command", "visible"), [("plan", "5"), ("plan", "0-63"), ("run", "5"), ("preflight", "0,3")]
+)
+def test_visible_cores_are_refused_alike_in_plan_run_and_preflight(
+    command, visible, capsys, monkeypatch
+):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", visible)
+    args = [command, "--recipe", "qwen3_4b_native", "--instance", "trn2.48xlarge"]
+    assert main([*args, "--dry-run"] if command == "run" else args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"NEURON_RT_VISIBLE_CORES={visible} is set" in err
+
+
+def test_compile_on_neuron_shows_the_neuron_backend(capsys):
+    assert main(["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.compile, backend neuron" in out and "--compile.backend neuron" in out
+    args = ["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]
+    assert main([*args, "--compile.backend", "inductor"]) == 2
+    assert "Compile backend 'inductor' does not target" in capsys.readouterr().err

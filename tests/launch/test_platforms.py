@@ -1,48 +1,63 @@
-"""One place chooses the platform; each platform answers for its device, backend and limits."""
+"""A Platform is the live device module of one process; the Target answers for the machine kind."""
 
 import pytest
 import torch
 
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.target import get_target
 from qwentitan.launch.runtime.platforms import (
-    PLATFORM_ENV,
     CpuDeviceModule,
-    current_platform,
     get_platform,
+    host_device,
+    host_target,
 )
+from qwentitan.launch.runtime.trainer import Trainer
 
 
-def test_cpu_host_trains_on_gloo_with_sdpa(monkeypatch):
-    monkeypatch.delenv(PLATFORM_ENV, raising=False)
+def test_cpu_host_trains_on_gloo_with_sdpa():
     if torch.cuda.is_available():
-        pytest.skip("this host has a GPU; the CPU choice is tested through the override below")
-    platform = current_platform()
-    assert (platform.name, platform.device_type, platform.backend) == ("cpu", "cpu", "gloo")
-    assert platform.attention == "sdpa" and platform.peak_flops is None
+        pytest.skip("this host has a GPU")
+    assert host_device() == host_target() == "cpu"
+    platform = get_platform(host_device())
+    assert (platform.name, platform.device_type) == ("cpu", "cpu")
     assert isinstance(platform.device_module, CpuDeviceModule)
-    assert not platform.supports_cuda_graphs
+    target = get_target(host_target())
+    assert (target.backend, target.attention, target.peak_flops(1)) == ("gloo", "sdpa", None)
 
 
-def test_the_environment_forces_a_platform(monkeypatch):
-    monkeypatch.setenv(PLATFORM_ENV, "cpu")
-    assert current_platform().name == "cpu"
-    monkeypatch.setenv(PLATFORM_ENV, "tpu")
+def test_the_config_names_the_target_not_the_environment(monkeypatch):
+    monkeypatch.setenv("QWENTITAN_PLATFORM", "cuda")  # no longer a channel: ignored
+    config = Trainer.Config(target="cpu")
+    assert config.placed_target().name == "cpu"
+    assert Trainer.Config(target="trn2.48xlarge").placed_target().device_type == "neuron"
+    with pytest.raises(LaunchError, match=r"^Unknown instance 'tpu'"):
+        Trainer.Config(target="tpu")
     with pytest.raises(
         LaunchError, match=r"^Unknown platform 'tpu'; choose one of cpu, cuda, neuron"
     ):
-        current_platform()
+        get_platform("tpu")
 
 
-def test_neuron_platform_follows_the_documented_facts(monkeypatch):
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    neuron = get_platform("neuron")
-    assert (neuron.backend, neuron.device_type, neuron.lnc) == ("neuron", "neuron", 2)
-    assert neuron.peak_flops == 158e12  # 79 TFLOPS per physical core x LNC 2
-    neuron.check_seq_len(2048, 4096)
-    with pytest.raises(
-        LaunchError, match=r"--seq-len 1000 is not a multiple of 256.*--seq-len 1024"
-    ):
-        neuron.check_seq_len(1000, 4096)
+def test_the_model_follows_the_target_field():
+    from functools import partial
+
+    from qwentitan.launch.recipes.tiny import tiny_model
+
+    build = partial(tiny_model, "tiny-dense", "native")
+    flex = Trainer.Config(target="cuda", model_for=build)
+    sdpa = Trainer.Config(target="cpu", model_for=build)
+    attention = [
+        type(c.model_spec.model.layers[0].attention.inner_attention).__qualname__
+        for c in (flex, sdpa)
+    ]
+    assert attention == ["FlexAttention.Config", "ScaledDotProductAttention.Config"]
+    assert not flex.training.disable_cuda_graphs and sdpa.training.disable_cuda_graphs
+
+
+def test_neuron_platform_carries_the_lnc_it_is_given():
+    neuron = get_platform("neuron", lnc=2)
+    assert (neuron.device_type, neuron.lnc) == ("neuron", 2)
+    assert get_target("trn2.48xlarge").peak_flops(2) == 158e12  # 79 TFLOPS per core x LNC 2
 
 
 def test_cpu_memory_is_the_process_rss():
@@ -55,12 +70,3 @@ def test_cpu_memory_is_the_process_rss():
     assert stats.peak_bytes >= before + 48 * 2**20
     assert module.current_device() == 0 and module.device_count() == 1
     del block
-
-
-def test_limits_are_refused_in_one_sentence():
-    cpu = get_platform("cpu")
-    cpu.check_ranks(cpu.max_ranks)
-    with pytest.raises(LaunchError, match=rf"^--ranks {cpu.max_ranks + 1} is more than"):
-        cpu.check_ranks(cpu.max_ranks + 1)
-    with pytest.raises(LaunchError, match=r"longer than the model's 128 positions"):
-        cpu.check_seq_len(129, 128)

@@ -112,7 +112,7 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(train_in_process, tmp_path
 
 def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted):
     from qwentitan.launch.launcher.plan import resolve_plan
-    from qwentitan.launch.launcher.preflight.checks import checkpoint_bytes
+    from qwentitan.launch.launcher.run_folder import checkpoint_bytes
 
     run_dir = uninterrupted[0]
     step = run_dir / "checkpoint" / "step-4"  # the last save: model, optimizer, data state

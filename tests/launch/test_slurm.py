@@ -7,6 +7,7 @@ import pytest
 
 import qwentitan.launch.launcher.plan as plan_module
 from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan_file import load_plan, save_plan
 from qwentitan.launch.launcher.slurm import SlurmOptions, render_sbatch, write_sbatch
 
 
@@ -24,6 +25,7 @@ def two_node_plan():
         seq_len=2048,
         tp=4,
         activation_checkpoint="full",
+        max_restarts=2,
     )
 
 
@@ -57,22 +59,18 @@ def test_sbatch_header(two_node_plan):
     assert script.startswith("#!/bin/bash\n")
 
 
-def test_srun_runs_one_agent_per_node_joining_the_first_node(two_node_plan):
-    script = render_sbatch(two_node_plan, SlurmOptions(port=29555, max_restarts=2))
+def test_srun_runs_one_agent_per_node_on_the_written_plan(two_node_plan):
+    script = render_sbatch(two_node_plan, SlurmOptions(port=29555), "/jobs/job.plan.json")
     words = _srun_command(script)
     assert words[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert words[4:6] == ["qwentitan-launch", "run"]
-    run = words[6:]
-    assert run[run.index("--recipe") + 1] == "qwen3_debugmodel"
-    assert run[run.index("--instance") + 1] == "trn2.48xlarge"
-    assert run[run.index("--lnc") + 1] == "2" and run[run.index("--ranks-per-node") + 1] == "64"
-    assert run[run.index("--nnodes") + 1] == "$SLURM_JOB_NUM_NODES"
-    assert run[run.index("--node-rank") + 1] == "$SLURM_NODEID"
-    assert run[run.index("--rdzv-endpoint") + 1] == "$HEAD_ADDR:$RDZV_PORT"
-    assert run[run.index("--max-restarts") + 1] == "2"
-    # The plan's knobs are restated so every node resolves the same plan.
-    assert run[run.index("--tp") + 1] == "4" and run[run.index("--ac") + 1] == "full"
-    assert run[run.index("--seq-len") + 1] == "2048"
+    assert words[4:] == [
+        "qwentitan-launch",
+        "run",
+        "--plan",
+        "/jobs/job.plan.json",
+        "--rdzv-endpoint",
+        "$HEAD_ADDR:$RDZV_PORT",
+    ]
     assert "RDZV_PORT=29555" in script.splitlines()
     assert 'HEAD_NODE="${NODES[0]}"' in script
 
@@ -89,16 +87,41 @@ def test_torchrun_line_of_each_node_and_environment(two_node_plan):
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=$HEAD_ADDR:$RDZV_PORT",
     ]
-    exports = {
-        line.split("=", 1)[0].removeprefix("export "): line.split("=", 1)[1]
-        for line in script.splitlines()
-        if line.startswith("export ")
-    }
-    assert exports["NEURON_LOGICAL_NC_CONFIG"] == "2"
-    assert exports["NEURON_CC_FLAGS"] == "--lnc=2"
-    assert exports["FI_PROVIDER"] == "efa" and exports["FI_EFA_USE_DEVICE_RDMA"] == "1"
-    # The exports come before the srun that starts training.
-    assert script.index("export NEURON_LOGICAL_NC_CONFIG") < script.index("srun --nodes=2")
+    # the environment travels in the plan file; the script only shows it
+    assert not [line for line in script.splitlines() if line.startswith("export ")]
+    env = two_node_plan.env
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and "NEURON_CC_FLAGS" not in env
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert "#   NEURON_LOGICAL_NC_CONFIG=2" in script.splitlines()
+
+
+def test_every_node_runs_exactly_the_written_plan(tmp_path, two_node_plan, monkeypatch):
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/elsewhere")  # a node's own shell
+    path = save_plan(two_node_plan, tmp_path / "job.plan.json")
+    node = load_plan(path, rdzv_endpoint="10.0.0.7:29500")
+    assert node.torchrun_args() == [
+        arg.replace("localhost:0", "10.0.0.7:29500") for arg in two_node_plan.torchrun_args()
+    ]
+    assert node.overrides == two_node_plan.overrides and node.env == two_node_plan.env
+    assert node.env_sources == two_node_plan.env_sources
+    assert (node.nodes, node.lnc, node.max_restarts, node.global_batch) == (
+        2,
+        2,
+        2,
+        two_node_plan.global_batch,
+    )
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_broken_plan_file_is_one_sentence(tmp_path):
+    from qwentitan.launch.base.errors import LaunchError
+
+    bad = tmp_path / "job.plan.json"
+    bad.write_text("{")
+    with pytest.raises(LaunchError, match=r"cannot be read .*write it again with `slurm`\.$"):
+        load_plan(bad)
+    with pytest.raises(LaunchError, match=r"^There is no plan file"):
+        load_plan(tmp_path / "missing.json")
 
 
 def test_the_script_runs_under_a_fake_slurm(tmp_path, two_node_plan):
@@ -130,7 +153,7 @@ def test_the_script_runs_under_a_fake_slurm(tmp_path, two_node_plan):
     assert result.returncode == 0, result.stderr
     launch = [line for line in log.read_text().splitlines() if line.startswith("LAUNCH")]
     assert len(launch) == 1
-    assert "--nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.7:29500" in launch[0]
+    assert f"run --plan {tmp_path / 'job.plan.json'} --rdzv-endpoint 10.0.0.7:29500" in launch[0]
 
 
 def test_good_slurm_times_pass(two_node_plan):

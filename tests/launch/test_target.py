@@ -5,19 +5,17 @@ from pathlib import Path
 
 import pytest
 
+from qwentitan.launch.base.env_defaults import LNC_ENV, configured_lnc
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import (
     GIB,
-    LNC_ENV,
     TARGETS,
-    configured_lnc,
     cpu_cores,
     get_target,
-    runtime_lnc,
+    get_topology,
 )
-from qwentitan.launch.base.topology import INSTANCES, get_topology
+from qwentitan.launch.launcher.plan import resolve_plan
 from qwentitan.launch.runtime.platforms import get_platform
-from qwentitan.launch.tracking.context import logical_core_config
 from qwentitan.launch.tracking.cost import hourly_price
 
 LAUNCH_SRC = Path(__file__).resolve().parents[2] / "packages" / "launch" / "src" / "qwentitan"
@@ -25,51 +23,53 @@ LAUNCH_SRC = Path(__file__).resolve().parents[2] / "packages" / "launch" / "src"
 
 def test_cpu_rank_limit_is_one_number_for_train_and_plan():
     limit = cpu_cores()
-    # train --ranks: the platform's check; plan/run --ranks-per-node: the topology's
+    # train --ranks and plan/run --ranks-per-node: the one Target check, naming each its flag
     assert get_platform("cpu").max_ranks == limit == TARGETS["cpu"].max_ranks()
-    get_platform("cpu").check_ranks(limit)
     assert get_topology("cpu", ranks_per_node=limit).ranks_per_node == limit
     with pytest.raises(LaunchError, match=rf"^--ranks {limit + 1} is more than this cpu host"):
-        get_platform("cpu").check_ranks(limit + 1)
+        get_topology("cpu", ranks_per_node=limit + 1, ranks_flag="--ranks")
     with pytest.raises(LaunchError, match=rf"^--ranks-per-node {limit + 1} is more than this cpu"):
         get_topology("cpu", ranks_per_node=limit + 1)
 
 
-def test_lnc_comes_from_one_reader(monkeypatch):
-    monkeypatch.delenv(LNC_ENV, raising=False)
-    assert configured_lnc() is None and runtime_lnc() == TARGETS["trn2.48xlarge"].default_lnc == 2
-    monkeypatch.setenv(LNC_ENV, "1")
-    # the ranks' platform and the tracking tag agree with the reader
-    assert get_platform("neuron").lnc == runtime_lnc() == 1
-    assert logical_core_config("neuron") == "1" and logical_core_config("cpu") == "n/a"
+def test_lnc_variable_has_one_reader_and_is_honoured_unless_a_flag_says_else():
+    assert configured_lnc({}) is None
     assert configured_lnc({LNC_ENV: "2"}) == 2  # a plan's or a shell's mapping, same rule
-    monkeypatch.setenv(LNC_ENV, "two")
     with pytest.raises(
         LaunchError, match=rf"^{LNC_ENV} is 'two'; set it to 1 or 2, or unset it\.$"
     ):
-        runtime_lnc()
+        configured_lnc({LNC_ENV: "two"})
+    exported = resolve_plan(
+        "qwen3_4b_native", instance="trn2.48xlarge", shell={LNC_ENV: "1"}, ranks_per_node=64
+    )
+    assert exported.lnc == 1 and exported.env_sources[LNC_ENV] == "environment"
+    flagged = resolve_plan("qwen3_4b_native", instance="trn2.48xlarge", lnc=2, shell={LNC_ENV: "1"})
+    assert flagged.lnc == 2 and flagged.env[LNC_ENV] == "2"
+    assert flagged.env_sources[LNC_ENV] == "flag"
 
 
-def test_only_the_target_module_reads_the_lnc_variable():
-    readers = []
+def test_only_env_defaults_reads_the_environment():
+    """qwentitan.launch reads environment variables in one module, and writes none."""
+    readers = set()
     for file in LAUNCH_SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv"):
+                readers.add(file.relative_to(LAUNCH_SRC).as_posix())
             if isinstance(node, ast.Constant) and node.value == LNC_ENV:
-                readers.append(file.relative_to(LAUNCH_SRC).as_posix())
-    assert readers == ["launch/base/target.py"]
+                readers.add(file.relative_to(LAUNCH_SRC).as_posix())
+    assert readers == {"launch/base/env_defaults.py"}
 
 
-def test_sequence_rule_is_the_targets_everywhere(monkeypatch):
-    monkeypatch.setenv(LNC_ENV, "2")
+def test_sequence_rule_is_the_targets_everywhere():
     trn2 = TARGETS["trn2.48xlarge"]
-    assert trn2.seq_len_multiple(2) == get_topology("trn2.48xlarge").seq_len_multiple == 256
-    assert get_platform("neuron").seq_len_multiple == 256
-    assert trn2.seq_len_multiple(1) == 128 and TARGETS["cpu"].seq_len_multiple(2) == 1
-    rule = r"^--seq-len 1000 is not a multiple of 256, which the Neuron kernels on trn2\.48xlarge"
-    with pytest.raises(LaunchError, match=rule + r".*pass --seq-len 1024\.$"):
+    # NKI flash attention on Neuron takes multiples of 512, at either LNC
+    assert trn2.seq_len_multiple(2) == get_topology("trn2.48xlarge").seq_len_multiple == 512
+    assert trn2.seq_len_multiple(1) == 512 and TARGETS["cpu"].seq_len_multiple(2) == 1
+    rule = r"^--seq-len 1000 is not a multiple of 512, which the NKI attention kernels on "
+    with pytest.raises(LaunchError, match=rule + r"trn2\.48xlarge need; pass --seq-len 1024\.$"):
         trn2.check_seq_len(1000, 2)
-    with pytest.raises(LaunchError, match=rule):  # what `train` asks on a Neuron host
-        get_platform("neuron").check_seq_len(1000, 4096)
+    with pytest.raises(LaunchError, match=r"^--seq-len 768 is not a multiple of 512"):
+        resolve_plan("qwen3_4b_native", instance="trn2.48xlarge", seq_len=768)
 
 
 def test_each_kind_derives_ranks_memory_and_flops_from_its_stated_facts():
@@ -92,7 +92,6 @@ def test_each_kind_derives_ranks_memory_and_flops_from_its_stated_facts():
         80 * GIB,
     )
     assert TARGETS["cpu"].peak_flops(1) is None
-    assert INSTANCES is TARGETS  # the old name is the same table, not a copy
 
 
 def test_prices_are_the_targets():

@@ -3,20 +3,20 @@
 import pytest
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.topology import GIB, INSTANCES, get_topology
+from qwentitan.launch.base.target import GIB, TARGETS, get_topology
 
 
 def test_trn2_lnc2_is_64_ranks_of_24_gib():
     t = get_topology("trn2.48xlarge")
     assert (t.lnc, t.ranks_per_node, t.device_type, t.backend) == (2, 64, "neuron", "neuron")
     assert t.memory_per_rank_bytes == 24 * GIB
-    assert t.physical_cores == 128
-    assert t.seq_len_multiple == 256
+    assert t.target.physical_cores == 128
+    assert t.seq_len_multiple == 512
 
 
 def test_trn2_lnc1_is_128_ranks_of_12_gib():
     t = get_topology("trn2.48xlarge", lnc=1)
-    assert (t.ranks_per_node, t.memory_per_rank_bytes, t.seq_len_multiple) == (128, 12 * GIB, 128)
+    assert (t.ranks_per_node, t.memory_per_rank_bytes, t.seq_len_multiple) == (128, 12 * GIB, 512)
 
 
 def test_trn1_has_32_cores_of_16_gib_and_no_lnc2():
@@ -37,7 +37,7 @@ def test_unknown_instance_is_one_sentence_naming_the_choices():
         get_topology("g5.xlarge")
     message = str(info.value)
     assert message.count(".") >= 1 and "\n" not in message
-    assert all(name in message for name in INSTANCES)
+    assert all(name in message for name in TARGETS)
 
 
 def test_cpu_host_defaults_to_two_ranks_sharing_memory():

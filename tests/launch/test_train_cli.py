@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from qwentitan.launch.base.target import cpu_cores
 from qwentitan.launch.launcher import cli
-from qwentitan.launch.runtime.platforms import current_platform
 
 
 def refused(capsys, *argv):
@@ -41,7 +41,7 @@ def test_sequence_length_the_model_cannot_take(capsys, tmp_path):
 
 
 def test_more_ranks_than_the_machine_holds(capsys, tmp_path):
-    too_many = current_platform().max_ranks + 1
+    too_many = cpu_cores() + 1
     message = refused(capsys, "--ranks", str(too_many), "--run-dir", str(tmp_path))
     assert message.startswith(f"--ranks {too_many} is more than this cpu host holds")
 

@@ -1,17 +1,22 @@
-"""Environment variables that give configuration its defaults: the one module that reads them.
+"""Environment variables: the one module of qwentitan.launch that reads them, at the edge.
 
 Each setting is a Config field (MLflow's on `MLflowLogger.Config`, the model folders on the trn2
-recipes' `hf_assets_path`), set on the command line with torchtitan's own overrides, e.g.
-`--metrics.mlflow.tracking_uri URI`; a variable below only fills in the default when a recipe
-builds its config, so the resolved config (logged to MLflow) holds the value actually used.
-Facts of the machine (platform, LNC, world size) are not configuration and are read elsewhere.
+recipes' `hf_assets_path`, the machine kind on `Trainer.Config.target`), set on the command line
+with torchtitan's own overrides, e.g. `--metrics.mlflow.tracking_uri URI`; a variable below only
+fills in a default (or, for the Neuron runtime's own variables, is checked against the plan), so
+the resolved config (logged to MLflow) holds the value actually used. The environment the ranks'
+processes start with (`launcher.environment.rank_env`) is built from `shell()` below; this
+process's own `os.environ` is written only here, for the length of one block, for libraries
+that read a setting nowhere else (`lacking_set`, `hub_offline`).
 
 This module imports nothing of qwentitan but its error class, so every layer may use it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
@@ -28,7 +33,14 @@ MODEL_FOLDERS = {
     "QWENTITAN_QWEN3_4B_DIR": "./assets/hf/Qwen3-4B-Instruct-2507",
     "QWENTITAN_QWEN3_30B_A3B_DIR": "./assets/hf/Qwen3-30B-A3B",
 }
-_DEFAULT_STORE = "mlflow.db"
+# The Neuron runtime's and TorchNeuron's own variables, which the plan checks or honours.
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"
+COMPILER_FLAGS = "NEURON_CC_FLAGS"
+COMPILE_CACHE = "TORCH_NEURONX_NEFF_CACHE_DIR"
+MLFLOW_RUN_ID = "MLFLOW_RUN_ID"  # MLflow's own: the run a preflight report attaches to
+CACHE = "QWENTITAN_CACHE"
+DEFAULT_STORE = "mlflow.db"
 _OFF = ("0", "off", "false", "no")
 
 
@@ -49,7 +61,7 @@ def configured_tracking_uri() -> str | None:
 def tracking_uri() -> str:
     """`$MLFLOW_TRACKING_URI`, else `mlflow.db` in the working directory, made absolute so a
     later `cd` (or a child process) still finds the same store."""
-    return configured_tracking_uri() or f"sqlite:///{Path.cwd() / _DEFAULT_STORE}"
+    return configured_tracking_uri() or f"sqlite:///{Path.cwd() / DEFAULT_STORE}"
 
 
 def experiment() -> str | None:
@@ -89,3 +101,102 @@ def model_folder(variable: str) -> str:
     torchtitan requires for `checkpoint.initial_load_path`."""
     folder = _value(variable) or MODEL_FOLDERS[variable]
     return str(Path(folder).expanduser().resolve())
+
+
+def shell() -> dict[str, str]:
+    """A copy of this process's environment: what the ranks' own environment starts from."""
+    return dict(os.environ)
+
+
+def configured_lnc(env: Mapping[str, str] | None = None) -> int | None:
+    """`NEURON_LOGICAL_NC_CONFIG` in `env` (default: this process's environment); None if unset."""
+    raw = (os.environ if env is None else env).get(LNC_ENV)
+    if raw is None or raw == "":
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise LaunchError(f"{LNC_ENV} is {raw!r}; set it to 1 or 2, or unset it.")
+    return int(raw)
+
+
+def visible_cores() -> str | None:
+    """`$NEURON_RT_VISIBLE_CORES` (a core, a list or a range), or None when unset."""
+    return _value(VISIBLE_CORES)
+
+
+def compiler_flags() -> str:
+    """`$NEURON_CC_FLAGS`, "" when unset."""
+    return _value(COMPILER_FLAGS) or ""
+
+
+def mlflow_run_id() -> str | None:
+    return _value(MLFLOW_RUN_ID)
+
+
+def cache_root() -> Path:
+    """Built data assets: `$QWENTITAN_CACHE`, else `$XDG_CACHE_HOME/qwentitan`, else
+    `~/.cache/qwentitan`."""
+    if found := _value(CACHE):
+        return Path(found)
+    return Path(_value("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwentitan"
+
+
+def pick(names: tuple[str, ...]) -> dict[str, str]:
+    """Those of `names` set in this process's environment (a report's record of the shell)."""
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def local_world_size() -> int | None:
+    """torchrun's `$LOCAL_WORLD_SIZE` (ranks on this node), or None outside torchrun."""
+    found = _value("LOCAL_WORLD_SIZE")
+    return int(found) if found and found.isdigit() else None
+
+
+def hub_offline_set() -> bool:
+    """Whether `$HF_HUB_OFFLINE` asks huggingface_hub to stay off the network."""
+    return (_value("HF_HUB_OFFLINE") or "").lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def lacking_set(values: Mapping[str, str]) -> Iterator[None]:
+    """Set those of `values` this process's environment lacks, for the block; restore after.
+
+    One of the two writes to `os.environ`, for a library that reads a setting nowhere else
+    (MLflow's HTTP limits, in `sync-mlflow`'s own process); the ranks get theirs in their
+    process environment.
+    """
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """Hugging Face Hub and datasets offline for the block, restored after: the other write to
+    `os.environ`, for preflight's dataset check (huggingface_hub reads these at each call;
+    datasets reads its own once at import, so its constant is set too)."""
+    saved = {name: os.environ.get(name) for name in _OFFLINE_ENV}
+    os.environ.update(_OFFLINE_ENV)
+    try:
+        import datasets.config as datasets_config
+
+        was = datasets_config.HF_HUB_OFFLINE
+        datasets_config.HF_HUB_OFFLINE = True
+    except ImportError:
+        datasets_config = None
+    try:
+        yield
+    finally:
+        if datasets_config is not None:
+            datasets_config.HF_HUB_OFFLINE = was
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

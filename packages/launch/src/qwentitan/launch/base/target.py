@@ -1,10 +1,12 @@
-"""One `Target` per machine kind: every fact about where a run goes, stated once.
+"""One `Target` per machine kind, and one `Topology` per resolved placement: every fact about
+where a run goes, stated once.
 
 A Target says what one kind of node offers (device type, process-group backend, accelerators and
 their memory, the LNC choices, peak FLOPs, the attention that trains there, the price), and its
-methods derive the rest (ranks per node, memory per rank, the sequence-length multiple). The
-launcher's `Topology`, the ranks' `Platform` and tracking's price lookup all read these facts
-from here; this module imports only `errors`, so every layer may use it.
+methods derive the rest (ranks per node, memory per rank, the sequence-length rule). A Topology is
+a Target with its LNC and ranks per node chosen and checked (`get_topology`): what the plan
+prints, the ranks' config names and tracking prices. This module imports only `errors`, so every
+layer may use it; it reads no environment variable (`env_defaults` does).
 
 Figures from the Neuron SDK documentation (aws-neuron/aws-neuron-sdk): a trn2.48xlarge holds 16
 Trainium2 chips of 8 physical NeuronCore-v3 and 96 GiB HBM each
@@ -12,38 +14,48 @@ Trainium2 chips of 8 physical NeuronCore-v3 and 96 GiB HBM each
 at LNC=2 two physical cores act as one logical core
 (about-neuron/arch/neuron-features/logical-neuroncore-config.rst), so a chip gives 4 ranks of
 24 GiB and the instance 64 ranks. A trn1.32xlarge holds 16 Trainium chips of 2 NeuronCore-v2 and
-32 GiB HBM each (about-neuron/arch/neuron-hardware/trainium.rst), LNC=1 only. NeuronCore-v3's
-TensorEngine gives 79 BF16 TFLOPS per physical core (about-neuron/arch/neuron-hardware/
-neuron-core-v3.rst; torchtitan's tools/utils.py uses the same figure). A GPU's peak comes from
-torchtitan's own table (`get_peak_flops`), by the device name the host reports.
+32 GiB HBM each (about-neuron/arch/neuron-hardware/trainium.rst), LNC=1 only. Peak FLOPs: "A
+NeuronCore-v3 Tensor Engine delivers ... 79 BF16/FP16/TF32 TFLOPS"
+(https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/
+neuron-core-v3.html), so a rank at LNC 2 peaks at 158 TFLOPS. The chip page (trainium2.rst) gives
+667 BF16 TFLOPS for its 8 cores, about 83 per core, a figure for the whole chip rather than its
+Tensor Engines; MFU divides by the per-core Tensor Engine figure, as torchtitan's own
+tools/utils.py does. A GPU's peak comes from torchtitan's own table (`get_peak_flops`), by the
+device name the host reports.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from qwentitan.launch.base.errors import LaunchError
 
 __all__ = [
     "GIB",
-    "LNC_ENV",
+    "NEURON_SEQ_MULTIPLE",
     "NEURON_TARGET",
     "PRICE_AS_OF",
     "PRICE_SOURCE",
     "TARGETS",
     "Target",
-    "configured_lnc",
+    "Topology",
     "cpu_cores",
     "get_target",
-    "runtime_lnc",
+    "get_topology",
 ]
 
 GIB = 1024**3
 
-# The Neuron runtime's logical-core setting; the plan writes it, everything else reads it here.
-LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+# TorchNeuron sends every 4-D scaled_dot_product_attention on a Neuron tensor to the
+# "overrideable" SDPA backend (torch_neuronx/csrc/aten/SdpBackendSelection.cpp, public mirror
+# parmoham-aws/test-repo-parmoham), whose NKI flash-attention implementation
+# (torch_neuronx/python_ops/scaled_dot_product_fused_attention.py and the NKI attention ops beside
+# it) takes only sequence lengths that are multiples of 512 (`seq_len % 512 == 0`); nki-library's
+# attention_bwd takes key lengths of 128, 256 or multiples of 512. Other lengths fall back to a
+# slow path or fail, so the plan refuses them. 512 is also a multiple of the 128-row tile each
+# physical core of a logical one takes (128 x LNC, LNC <= 4).
+NEURON_SEQ_MULTIPLE = 512
 # The Trainium kind a Neuron host is taken to be when nothing names one (its LNC default, 2,
 # is the runtime's own default on trn2).
 NEURON_TARGET = "trn2.48xlarge"
@@ -88,8 +100,8 @@ class Target:
         return self.chips * self.cores_per_chip
 
     def seq_len_multiple(self, lnc: int) -> int:
-        """Neuron kernels tile the sequence in 128-row blocks per physical core of a logical one."""
-        return 128 * lnc if self.device_type == "neuron" else 1
+        """What the sequence length must be a multiple of here (NEURON_SEQ_MULTIPLE on Neuron)."""
+        return max(NEURON_SEQ_MULTIPLE, 128 * lnc) if self.device_type == "neuron" else 1
 
     def peak_flops(self, lnc: int) -> float | None:
         """Peak dense BF16 FLOP/s of one rank (LNC physical cores on Neuron); None on CPU."""
@@ -175,8 +187,8 @@ class Target:
         multiple = self.seq_len_multiple(lnc)
         if seq_len % multiple:
             raise LaunchError(
-                f"--seq-len {seq_len} is not a multiple of {multiple}, which the Neuron kernels "
-                f"on {self.name} need (128 x LNC {lnc}); pass "
+                f"--seq-len {seq_len} is not a multiple of {multiple}, which the NKI attention "
+                f"kernels on {self.name} need; pass "
                 f"--seq-len {-(-seq_len // multiple) * multiple}."
             )
         if max_positions is not None and seq_len > max_positions:
@@ -268,22 +280,6 @@ def get_target(name: str) -> Target:
     return target
 
 
-def configured_lnc(env: Mapping[str, str] | None = None) -> int | None:
-    """`NEURON_LOGICAL_NC_CONFIG` in `env` (default: this process's environment); None if unset."""
-    raw = (os.environ if env is None else env).get(LNC_ENV)
-    if raw is None or raw == "":
-        return None
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise LaunchError(f"{LNC_ENV} is {raw!r}; set it to 1 or 2, or unset it.")
-    return int(raw)
-
-
-def runtime_lnc(env: Mapping[str, str] | None = None) -> int:
-    """The LNC the Neuron runtime uses: the configured one, else the trn2 default."""
-    configured = configured_lnc(env)
-    return TARGETS[NEURON_TARGET].default_lnc if configured is None else configured
-
-
 def cpu_cores() -> int:
     """CPU cores this process may run on: the CPU host's rank limit, for train and plan alike."""
     try:
@@ -296,3 +292,64 @@ def _cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A Target with its LNC and ranks per node resolved: what one node of a run looks like."""
+
+    target: Target
+    lnc: int
+    ranks_per_node: int
+    memory_per_rank_bytes: int
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    @property
+    def device_type(self) -> str:
+        return self.target.device_type
+
+    @property
+    def backend(self) -> str:
+        return self.target.backend
+
+    @property
+    def seq_len_multiple(self) -> int:
+        return self.target.seq_len_multiple(self.lnc)
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak dense BF16 FLOP/s of one rank; the one figure MFU divides by."""
+        return self.target.peak_flops(self.lnc)
+
+    def to_dict(self) -> dict[str, object]:
+        peak = self.peak_flops
+        return {
+            "instance": self.name,
+            "description": self.target.description,
+            "device_type": self.device_type,
+            "backend": self.backend,
+            "lnc": self.lnc,
+            "ranks_per_node": self.ranks_per_node,
+            "memory_per_rank_gib": round(self.memory_per_rank_bytes / GIB, 2),
+            "peak_tflops_per_rank": None if peak is None else round(peak / 1e12, 1),
+            "usd_per_hour": self.target.price_per_hour,
+            "efa": self.target.efa,
+        }
+
+
+def get_topology(
+    name: str,
+    *,
+    lnc: int | None = None,
+    ranks_per_node: int | None = None,
+    ranks_flag: str = "--ranks-per-node",
+) -> Topology:
+    """Resolve a Target's name (plus LNC for Trainium, ranks per node) to a checked Topology."""
+    target = get_target(name)
+    lnc = target.check_lnc(lnc)
+    ranks = target.default_ranks(lnc) if ranks_per_node is None else ranks_per_node
+    target.check_ranks(ranks, lnc, flag=ranks_flag)
+    return Topology(target, lnc, ranks, target.memory_per_rank(lnc, ranks))

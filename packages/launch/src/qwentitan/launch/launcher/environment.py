@@ -1,36 +1,49 @@
-"""The host environment a planned run's ranks start with: the plan's variables on top of the shell's.
+"""The environment of a planned run's ranks: what the plan fixes, checked against the shell.
 
-What the plan itself writes for every rank (Neuron LNC and compiler target, EFA) is fixed by the
-topology and lives in `topology_env`; this module merges it with the shell at launch time and
-refuses a shell that contradicts it.
+The plan writes a few variables every rank needs (`plan_env`: torchrun restarts, Neuron, EFA,
+MLflow's HTTP limits) and records where each value came from; `check_shell` refuses, when the
+plan is resolved, a shell that would contradict it; `rank_env` lays the plan's variables over the
+shell when the ranks start. This is the only environment qwentitan.launch writes: the ranks'
+process environment, never its own `os.environ`.
 
-The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's LNC must be equal: the Neuron
-SDK does not support compiling for another LNC than the runtime's (aws-neuron/aws-neuron-sdk,
-about-neuron/arch/neuron-features/logical-neuroncore-config.rst, which names
-the compiler options `--logical-nc-config` and `-lnc`). TorchNeuron passes `--lnc` from
-`NEURON_LOGICAL_NC_CONFIG` to neuronx-cc itself and appends `NEURON_CC_FLAGS` after it
-(TorchNeuron source, public mirror parmoham-aws/test-repo-parmoham:
-torch_neuronx/csrc/core/compilation/NeuronCompiler.cpp, csrc/core/KernelExecution.cpp), so a
-conflicting value already in the shell is refused rather than silently overridden.
+The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's must be equal: the Neuron SDK
+does not support compiling for another LNC than the runtime's (aws-neuron/aws-neuron-sdk,
+about-neuron/arch/neuron-features/logical-neuroncore-config.rst, which names the compiler options
+`--logical-nc-config` and `-lnc`). TorchNeuron passes `--lnc` from `NEURON_LOGICAL_NC_CONFIG` to
+neuronx-cc itself and appends `NEURON_CC_FLAGS` after it (TorchNeuron source, public mirror
+parmoham-aws/test-repo-parmoham: torch_neuronx/csrc/core/compilation/NeuronCompiler.cpp), so the
+plan sets only the runtime's variable (a `--lnc` in NEURON_CC_FLAGS would repeat it and change
+the compile-cache key) and refuses a shell whose NEURON_CC_FLAGS names another LNC.
 
 `NEURON_RT_VISIBLE_CORES` is not set: TorchNeuron's process-group setup gives each process the
 core of its `LOCAL_RANK` when the variable is unset, then asserts that the process sees exactly
 one device (torch_neuronx/distributed/backend.py, `_set_rt_visible_cores` and
-`_neuron_runtime_setup`). A node-wide range would reach every rank and fail all of them.
+`_neuron_runtime_setup`). A value in the shell reaches every rank of the node alike.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from pathlib import Path
 
+from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base.env_defaults import (
+    COMPILE_CACHE,
+    COMPILER_FLAGS,
+    LNC_ENV,
+    VISIBLE_CORES,
+)
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.target import LNC_ENV, configured_lnc
+from qwentitan.launch.base.target import Topology
 
-if TYPE_CHECKING:
-    from qwentitan.launch.launcher.plan import LaunchPlan
-
+DEFAULT_COMPILE_CACHE = "~/.cache/qwentitan/neuron-compile-cache"
+# EFA settings AWS uses for multi-node collectives (torchtitan's multinode_trainer.slurm and the
+# Neuron EFA setup guide); libfabric reads them. Not verified on a trn2 cluster.
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+# Where a value of the plan came from, as `plan` prints it.
+FLAG, ENVIRONMENT, DEFAULT, PLAN = "flag", "environment", "default", "plan"
 # Every spelling of the compiler's LNC option: neuronx-cc documents `--logical-nc-config` and
 # `-lnc`; TorchNeuron itself passes `--lnc`.
 _LNC_FLAGS = ("--lnc", "-lnc", "--logical-nc-config")
@@ -57,52 +70,86 @@ def visible_core_count(value: str) -> int:
             count += int(high or low) - int(low) + 1
         except ValueError:
             raise LaunchError(
-                f"NEURON_RT_VISIBLE_CORES={value} is not a core number or range; unset it."
+                f"{VISIBLE_CORES}={value} is not a core number or range; unset it."
             ) from None
     return count
 
 
-def merged_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The host environment with the plan's on top, refusing a conflicting LNC already set."""
-    env = dict(os.environ if base is None else base)
-    if plan.topology.device_type == "neuron":
-        visible = env.get("NEURON_RT_VISIBLE_CORES", "")
-        if visible_core_count(visible) > 1:
-            raise LaunchError(
-                f"NEURON_RT_VISIBLE_CORES={visible} is set in this shell and would give every "
-                "rank all those cores, which TorchNeuron refuses; unset it (each rank then gets "
-                "the core of its LOCAL_RANK)."
-            )
-        runtime = configured_lnc(env)
-        if runtime not in (None, plan.lnc):
-            raise LaunchError(
-                f"{LNC_ENV}={runtime} is set in this shell but the plan uses LNC "
-                f"{plan.lnc}; unset it or pass --lnc {runtime}."
-            )
-        flags = env.get("NEURON_CC_FLAGS", "")
-        compiler = lnc_in_compiler_flags(flags)
-        if compiler not in (None, plan.lnc):
-            raise LaunchError(
-                f"NEURON_CC_FLAGS sets --lnc={compiler} but the plan uses LNC {plan.lnc}; "
-                f"remove it from NEURON_CC_FLAGS or pass --lnc {compiler}."
-            )
-        if compiler is None and flags:
-            plan_flags = f"{flags} {plan.env['NEURON_CC_FLAGS']}"
+def shell_lnc(shell: Mapping[str, str]) -> int | None:
+    """The LNC the shell exports (`NEURON_LOGICAL_NC_CONFIG`), None when unset."""
+    return env_defaults.configured_lnc(shell)
+
+
+def check_shell(topology: Topology, shell: Mapping[str, str]) -> None:
+    """Refuse a shell whose Neuron settings would contradict the plan on every rank."""
+    if topology.device_type != "neuron":
+        return
+    visible = shell.get(VISIBLE_CORES, "")
+    count = visible_core_count(visible)
+    if count and (topology.ranks_per_node > 1 or count > 1):
+        raise LaunchError(
+            f"{VISIBLE_CORES}={visible} is set in this shell and would give each of the "
+            f"{topology.ranks_per_node} ranks per node the same {count} core(s), which "
+            "TorchNeuron refuses; unset it (each rank then gets the core of its LOCAL_RANK)."
+        )
+    compiler = lnc_in_compiler_flags(shell.get(COMPILER_FLAGS, ""))
+    if compiler not in (None, topology.lnc):
+        raise LaunchError(
+            f"{COMPILER_FLAGS} sets --lnc={compiler} but the plan uses LNC {topology.lnc}; "
+            f"remove it from {COMPILER_FLAGS} (TorchNeuron passes the runtime's LNC itself) or "
+            f"pass --lnc {compiler}."
+        )
+
+
+def plan_env(
+    topology: Topology,
+    *,
+    nodes: int,
+    shell: Mapping[str, str],
+    compile_cache: str | None = None,
+    lnc_source: str = DEFAULT,
+    mlflow_timeout_s: int | None = None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """What every rank of a node needs, and where each value came from (FLAG, ENVIRONMENT,
+    DEFAULT or PLAN): torchrun restarts; Neuron; EFA across nodes; MLflow's HTTP limits."""
+    # torchrun's c10d rendezvous shares its TCPStore with the ranks by default, and torch 2.14
+    # does not prefix the ranks' keys per restart attempt: after a --max-restarts restart, gloo
+    # reads the dead ranks' addresses. With sharing off, rank 0 hosts a fresh store each attempt.
+    env: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    sources: dict[str, str] = {}
+    if topology.device_type == "neuron":
+        env[LNC_ENV] = str(topology.lnc)
+        sources[LNC_ENV] = lnc_source
+        env["NEURON_PLATFORM_TARGET_OVERRIDE"] = topology.target.compile_target or ""
+        # The compile cache outlives runs: a flag wins, then the user's export, then ours.
+        if compile_cache is not None:
+            cache, sources[COMPILE_CACHE] = compile_cache, FLAG
+        elif shell.get(COMPILE_CACHE):
+            cache, sources[COMPILE_CACHE] = shell[COMPILE_CACHE], ENVIRONMENT
         else:
-            plan_flags = flags or plan.env["NEURON_CC_FLAGS"]
-        env.update(plan.env)
-        env["NEURON_CC_FLAGS"] = plan_flags
-        return env
-    env.update(plan.env)
-    return env
+            cache, sources[COMPILE_CACHE] = DEFAULT_COMPILE_CACHE, DEFAULT
+        env[COMPILE_CACHE] = str(Path(cache).expanduser())
+    if nodes > 1 and topology.target.efa:
+        env.update(EFA_ENV)
+    if mlflow_timeout_s is not None:
+        from qwentitan.launch.tracking.store import bounded_http
+
+        # MLflow reads its HTTP limits only from the environment; a user's own settings win.
+        env.update({k: v for k, v in bounded_http(mlflow_timeout_s).items() if k not in shell})
+    return env, {name: sources.get(name, PLAN) for name in env}
 
 
-def rank_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str, str]:
-    """What torchrun hands every rank of a planned run on this host: `merged_env` plus the platform."""
-    from qwentitan.launch.runtime.platforms import PLATFORM_ENV
-
-    env = merged_env(plan, base)
-    env[PLATFORM_ENV] = plan.topology.device_type  # every rank trains on what was planned
-    if plan.topology.device_type == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.ranks_per_node)))
-    return env
+def rank_env(
+    env: Mapping[str, str],
+    *,
+    device_type: str,
+    ranks_per_node: int,
+    shell: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """What torchrun hands every rank on this host: the shell with the plan's `env` on top."""
+    merged = dict(env_defaults.shell() if shell is None else shell)
+    merged.update(env)
+    if device_type == "cpu":
+        threads = max(1, (os.cpu_count() or 1) // ranks_per_node)
+        merged.setdefault("OMP_NUM_THREADS", str(threads))
+    return merged

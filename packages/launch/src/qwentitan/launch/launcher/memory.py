@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -160,6 +160,14 @@ def _layer_activation_elems(shape: ModelShape) -> int:
     else:
         mlp = 2 * shape.hidden + 4 * shape.ffn_dim
     return attention + mlp
+
+
+def meta_model(config: Any) -> torch.nn.Module:
+    """The recipe's model built on the meta device: shapes and dtypes, no memory."""
+    import torch
+
+    with torch.device("meta"):
+        return config.model_spec.model.build()
 
 
 def estimate_memory(

@@ -1,10 +1,13 @@
 """A launch plan: everything about a run that can be decided before any process starts.
 
-`resolve_plan(recipe, instance=..., nodes=...)` loads the recipe exactly as the trainer will
-(torchtitan's ConfigManager with `--module qwentitan.launch.recipes --config <recipe>` plus the
-same override flags), checks the topology against it (parallel degrees, LNC, the Neuron
-sequence-length rule, memory per rank) and writes down the environment and the torchrun
-command line. Every refusal is a `LaunchError` whose message names the flag to change.
+A run is one torchtitan `Trainer.Config` plus the launch facts (machine kind, LNC, ranks, nodes,
+environment). `resolve_plan(recipe, instance=..., nodes=...)` turns the launcher's flags into
+torchtitan overrides (the machine kind too: `--target`, `--lnc`), loads the recipe exactly as
+every rank will (torchtitan's ConfigManager with `--module qwentitan.launch.recipes --config
+<recipe>` plus those overrides: "CLI args > config_registry defaults") and owns every check:
+ranges, parallel degrees, LNC, the sequence rules, the compile backend, the shell's Neuron
+settings, the step to stop after, memory per rank. `train`, `plan`, `run`, `slurm` and
+`preflight` only ask it. Every refusal is a `LaunchError` whose one sentence names the fix.
 """
 
 from __future__ import annotations
@@ -13,28 +16,37 @@ import contextlib
 import io
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.target import GIB, get_target
-from qwentitan.launch.base.topology import Topology, get_topology
+from qwentitan.launch.base.target import GIB, Topology, get_target, get_topology
+from qwentitan.launch.launcher import environment
 from qwentitan.launch.launcher.memory import (
     USABLE_FRACTION,
     MemoryEstimate,
     ModelShape,
     estimate_memory,
+    meta_model,
 )
-from qwentitan.launch.launcher.topology_env import plan_env
-
-if TYPE_CHECKING:
-    import torch
+from qwentitan.launch.launcher.plan_rules import (
+    ParallelDegrees,
+    check_loss_chunks,
+    check_ranges,
+    check_stop_after,
+    compile_backend,
+    global_batch_size,
+    max_positions,
+    resolve_degrees,
+)
 
 RECIPES_MODULE = "qwentitan.launch.recipes"
 # torchtitan's own entry point on every rank; the recipe's Trainer.Config builds our Trainer.
 TRAIN_ENTRY = "torchtitan.train"
-DEFAULT_COMPILE_CACHE = "~/.cache/qwentitan/neuron-compile-cache"
+DEFAULT_COMPILE_CACHE = environment.DEFAULT_COMPILE_CACHE
 AC_MODES = ("none", "selective", "full")
 # What the ranks do with the checkpoints already in the run folder (torchtitan itself always
 # loads the newest one it finds; the launcher checks the folder against this before starting):
@@ -42,27 +54,6 @@ AC_MODES = ("none", "selective", "full")
 # "latest" - continue the newest checkpoint, which must exist and be whole;
 # "auto" - "latest" when there is one, else "fresh" (a requeued scheduler job).
 RESUME_MODES = ("fresh", "latest", "auto")
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelDegrees:
-    """torchtitan's parallelism degrees, all resolved (no -1 left)."""
-
-    data_parallel_shard: int
-    data_parallel_replicate: int = 1
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    pipeline_parallel: int = 1
-    expert_parallel: int = 1
-
-    def product(self) -> int:
-        return (
-            self.data_parallel_shard
-            * self.data_parallel_replicate
-            * self.tensor_parallel
-            * self.context_parallel
-            * self.pipeline_parallel
-        )
 
 
 @dataclass(slots=True)
@@ -84,9 +75,10 @@ class LaunchPlan:
     config: Any = field(repr=False)  # the recipe's torchtitan Trainer.Config, overrides applied
     model_shape: ModelShape | None = None
     rdzv_endpoint: str = "localhost:0"
-    node_rank: int = 0
     max_restarts: int = 0
     resume: str = "auto"  # one of RESUME_MODES
+    env_sources: dict[str, str] = field(default_factory=dict)
+    """Where each value of `env` came from: flag, environment, default or plan."""
 
     @property
     def world_size(self) -> int:
@@ -129,6 +121,15 @@ class LaunchPlan:
     def command(self) -> str:
         return shlex.join(self.torchrun_args())
 
+    def rank_env(self, shell: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment torchrun hands every rank on this host: the shell, the plan on top."""
+        return environment.rank_env(
+            self.env,
+            device_type=self.topology.device_type,
+            ranks_per_node=self.ranks_per_node,
+            shell=shell,
+        )
+
     @property
     def run_folder(self) -> Path:
         """torchtitan's dump folder: checkpoints, logs and reports of this run."""
@@ -160,9 +161,7 @@ class LaunchPlan:
             "seq_len": self.seq_len,
             "seq_len_rule": {
                 "multiple_of": multiple,
-                "rule": f"128 x LNC {self.lnc}"
-                if self.topology.device_type == "neuron"
-                else "none",
+                "rule": "NKI attention" if self.topology.device_type == "neuron" else "none",
                 "ok": self.seq_len % multiple == 0,
             },
             "local_batch": self.local_batch,
@@ -188,8 +187,10 @@ class LaunchPlan:
                 "initial_load_in_hf": getattr(cfg.checkpoint, "initial_load_in_hf", None),
                 "last_save_in_hf": getattr(cfg.checkpoint, "last_save_in_hf", None),
                 "compile": cfg.compile.enable,
+                "compile_backend": cfg.compile.backend if cfg.compile.enable else None,
             },
             "env": self.env,
+            "env_sources": self.env_sources,
             "torchrun": self.torchrun_args(),
             "memory_per_rank": self.memory.to_dict(),
         }
@@ -267,14 +268,6 @@ def _tyro_message(text: str) -> str:
     return message
 
 
-def meta_model(config: Any) -> torch.nn.Module:
-    """The recipe's model built on the meta device: shapes and dtypes, no memory."""
-    import torch
-
-    with torch.device("meta"):
-        return config.model_spec.model.build()
-
-
 def model_shape(config: Any) -> ModelShape:
     """The shape of the recipe's model, read from its meta-device build."""
     return ModelShape.of(meta_model(config))
@@ -287,6 +280,7 @@ def resolve_plan(
     nodes: int = 1,
     lnc: int | None = None,
     ranks_per_node: int | None = None,
+    ranks_flag: str = "--ranks-per-node",
     fsdp: int | None = None,
     tp: int | None = None,
     ep: int | None = None,
@@ -295,22 +289,28 @@ def resolve_plan(
     global_batch: int | None = None,
     activation_checkpoint: str | None = None,
     steps: int | None = None,
+    stop_after: int | None = None,
     dump_folder: str | None = None,
     checkpoint_interval: int | None = None,
     extra_overrides: list[str] | None = None,
-    compile_cache: str = DEFAULT_COMPILE_CACHE,
+    compile_cache: str | None = None,
     rdzv_endpoint: str | None = None,
-    node_rank: int = 0,
     max_restarts: int = 0,
     resume: str = "auto",
+    shell: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
-    """Resolve (recipe, instance, nodes) and the optional knobs into a checked LaunchPlan."""
+    """Resolve (recipe, instance, nodes), the optional knobs and torchtitan overrides into a
+    checked LaunchPlan. `shell`: the environment the launch starts from (default: this one)."""
     instance = instance or default_instance(recipe)
-    get_target(instance)  # before anything slower, so an unknown name is the first problem
+    target = get_target(instance)  # before anything slower, so an unknown name is the first problem
     if nodes < 1:
         raise LaunchError(f"--nodes must be at least 1, not {nodes}.")
-    topology = get_topology(instance, lnc=lnc, ranks_per_node=ranks_per_node)
-    world = nodes * topology.ranks_per_node
+    shell = env_defaults.shell() if shell is None else shell
+    lnc_source = environment.FLAG
+    if lnc is None and target.device_type == "neuron":
+        lnc = environment.shell_lnc(shell)  # an exported LNC is honoured unless --lnc says else
+        lnc_source = environment.DEFAULT if lnc is None else environment.ENVIRONMENT
+    topology = get_topology(instance, lnc=lnc, ranks_per_node=ranks_per_node, ranks_flag=ranks_flag)
     if resume not in RESUME_MODES:
         raise LaunchError(
             f"Unknown resume mode {resume!r}; pass --resume with one of {', '.join(RESUME_MODES)}."
@@ -321,11 +321,12 @@ def resolve_plan(
             f"pass --ac with one of {', '.join(AC_MODES)}."
         )
 
-    overrides: list[str] = []
+    overrides = placement_overrides(topology)
     for flag, value in (
         ("--training.seq-len", seq_len),
         ("--training.local-batch-size", local_batch),
         ("--training.steps", steps),
+        ("--stop-after", stop_after),
         ("--parallelism.data-parallel-shard-degree", fsdp),
         ("--parallelism.tensor-parallel-degree", tp),
         ("--parallelism.expert-parallel-degree", ep),
@@ -334,16 +335,72 @@ def resolve_plan(
     ):
         if value is not None:
             overrides += [flag, str(value)]
-    if topology.device_type != "cuda":
-        # CUDA graphs exist on CUDA only; torchtitan validates them (and refuses EP) otherwise.
-        overrides.append("--training.disable-cuda-graphs")
     overrides += list(extra_overrides or [])
     # A tyro subcommand, so always the last word on the trainer's command line.
-    ac_choice = [f"activation-checkpoint:{activation_checkpoint}"] if activation_checkpoint else []
+    if activation_checkpoint:
+        overrides.append(f"activation-checkpoint:{activation_checkpoint}")
+    return plan_from_overrides(
+        recipe,
+        topology,
+        overrides,
+        nodes=nodes,
+        global_batch=global_batch,
+        compile_cache=compile_cache,
+        lnc_source=lnc_source,
+        shell=shell,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        resume=resume,
+    )
 
-    config = load_config(recipe, overrides + ac_choice)
-    degrees = _resolve_degrees(config.parallelism, world, topology)
-    topology.target.check_seq_len(config.training.seq_len, topology.lnc)
+
+def placement_overrides(topology: Topology) -> list[str]:
+    """The machine kind as config (our recipes' `Trainer.Config.target` / `.lnc`): every rank
+    builds its model for it. Another registry's config (torchtitan's own, which tests plan) has
+    no such fields; it only has CUDA graphs turned off where they cannot exist."""
+    if not _our_recipes():
+        return [] if topology.device_type == "cuda" else ["--training.disable-cuda-graphs"]
+    words = ["--target", topology.name]
+    return [*words, "--lnc", str(topology.lnc)] if topology.device_type == "neuron" else words
+
+
+def _our_recipes() -> bool:
+    from qwentitan.launch import recipes
+
+    return recipes.__name__ == RECIPES_MODULE
+
+
+def plan_from_overrides(
+    recipe: str,
+    topology: Topology,
+    overrides: list[str],
+    *,
+    nodes: int,
+    global_batch: int | None = None,
+    compile_cache: str | None = None,
+    lnc_source: str = environment.DEFAULT,
+    shell: Mapping[str, str],
+    env: tuple[dict[str, str], dict[str, str]] | None = None,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+    resume: str = "auto",
+) -> LaunchPlan:
+    """The plan of `recipe` with exactly these trainer overrides: the config every rank builds,
+    checked. `env`: the ranks' variables and their sources as already planned (a plan file)."""
+    environment.check_shell(topology, shell)  # on every node too: its shell reaches its ranks
+    overrides = list(overrides)
+    config = load_config(recipe, overrides)
+    world = nodes * topology.ranks_per_node
+    check_ranges(config)
+    degrees = resolve_degrees(config.parallelism, world, topology)
+    seq_len = config.training.seq_len
+    topology.target.check_seq_len(seq_len, topology.lnc, max_positions(config.model_spec.model))
+    check_loss_chunks(config, seq_len, degrees.context_parallel)
+    check_stop_after(config, resume)
+    backend = compile_backend(config, topology, overrides)
+    if backend is not None:
+        _set_override(overrides, "--compile.backend", backend)
+        config.compile.backend = backend
     shape = model_shape(config)
     if degrees.expert_parallel > 1 and not shape.experts:
         raise LaunchError(
@@ -354,7 +411,7 @@ def resolve_plan(
     batch_ranks = degrees.data_parallel_shard * degrees.data_parallel_replicate
     local = config.training.local_batch_size
     recipe_batch = config.training.global_batch_size
-    resolved_batch = _global_batch(
+    resolved_batch = global_batch_size(
         recipe_batch if global_batch is None else global_batch,
         local=local,
         batch_ranks=batch_ranks,
@@ -363,8 +420,60 @@ def resolve_plan(
     )
     if global_batch is not None or (recipe_batch > 0 and resolved_batch != recipe_batch):
         # Pinned or scaled with the nodes: the ranks load the recipe too, so they are told.
-        overrides += ["--training.global-batch-size", str(resolved_batch)]
+        _set_override(overrides, "--training.global-batch-size", str(resolved_batch))
         config.training.global_batch_size = resolved_batch
+    if env is None:
+        mlflow = getattr(config.metrics, "mlflow", None)
+        env = environment.plan_env(
+            topology,
+            nodes=nodes,
+            shell=shell,
+            compile_cache=compile_cache,
+            lnc_source=lnc_source,
+            mlflow_timeout_s=mlflow.request_timeout_s if mlflow and mlflow.enable else None,
+        )
+    plan = LaunchPlan(
+        recipe=recipe,
+        topology=topology,
+        nodes=nodes,
+        degrees=degrees,
+        seq_len=seq_len,
+        local_batch=local,
+        global_batch=resolved_batch,
+        steps=config.training.steps,
+        activation_checkpoint=ac,
+        overrides=_subcommand_last(overrides),
+        env=env[0],
+        env_sources=env[1],
+        memory=_memory(config, shape, degrees, topology, ac),
+        config=config,
+        model_shape=shape,
+        rdzv_endpoint=rdzv_endpoint or "localhost:0",
+        max_restarts=max_restarts,
+        resume=resume,
+    )
+    if not plan.memory.fits:
+        raise LaunchError(_memory_refusal(plan))
+    return plan
+
+
+def _set_override(overrides: list[str], flag: str, value: str) -> None:
+    """Set `flag VALUE` in `overrides`: in place where the flag is already, else at the end."""
+    if flag in overrides[:-1]:
+        overrides[overrides.index(flag) + 1] = value
+    else:
+        overrides += [flag, value]
+
+
+def _subcommand_last(overrides: list[str]) -> list[str]:
+    """tyro reads a subcommand (`activation-checkpoint:full`) as the end of the flags before it."""
+    chosen = [word for word in overrides if word.startswith("activation-checkpoint:")]
+    return [word for word in overrides if word not in chosen] + chosen[-1:]
+
+
+def _memory(
+    config: Any, shape: ModelShape, degrees: ParallelDegrees, topology: Topology, ac: str
+) -> MemoryEstimate:
     # torchtitan casts to the mixed-precision dtype only through fully_shard, which it applies
     # when more than one rank shards (dp_shard x cp > 1); otherwise everything is the training dtype.
     fsdp = degrees.data_parallel_shard * degrees.context_parallel > 1
@@ -372,114 +481,21 @@ def resolve_plan(
     compute_bytes = (
         2 if fsdp and config.training.mixed_precision_param == "bfloat16" else training_bytes
     )
-    memory = estimate_memory(
+    shards = degrees.data_parallel_shard * degrees.context_parallel * degrees.tensor_parallel
+    return estimate_memory(
         shape,
         seq_len=config.training.seq_len,
-        local_batch=local,
+        local_batch=config.training.local_batch_size,
         activation_checkpoint=ac,
         available=topology.memory_per_rank_bytes,
-        dense_shards=degrees.data_parallel_shard
-        * degrees.context_parallel
-        * degrees.tensor_parallel,
-        expert_shards=degrees.data_parallel_shard
-        * degrees.context_parallel
-        * degrees.tensor_parallel,
+        dense_shards=shards,
+        expert_shards=shards,
         tensor_parallel=degrees.tensor_parallel,
         training_dtype_bytes=training_bytes,
         compute_dtype_bytes=compute_bytes,
         loss_chunks=getattr(config.loss, "num_chunks", 1),
         fsdp=fsdp,
     )
-    plan = LaunchPlan(
-        recipe=recipe,
-        topology=topology,
-        nodes=nodes,
-        degrees=degrees,
-        seq_len=config.training.seq_len,
-        local_batch=local,
-        global_batch=resolved_batch,
-        steps=config.training.steps,
-        activation_checkpoint=ac,
-        overrides=overrides + ac_choice,
-        env=plan_env(topology, nodes=nodes, compile_cache=compile_cache),
-        memory=memory,
-        config=config,
-        model_shape=shape,
-        rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        node_rank=node_rank,
-        max_restarts=max_restarts,
-        resume=resume,
-    )
-    if not memory.fits:
-        raise LaunchError(_memory_refusal(plan))
-    return plan
-
-
-def _global_batch(
-    recipe_batch: int, *, local: int, batch_ranks: int, nodes: int, pinned: bool
-) -> int:
-    """Samples per optimizer step: pinned by --global-batch-size, else it follows the world size.
-
-    A recipe's global batch is what one node takes (it is written for one instance), so N nodes
-    take N times it with the same gradient accumulation; a recipe without one takes one local
-    batch per data-parallel rank (torchtitan's default).
-    """
-    micro = local * batch_ranks
-    if pinned:
-        batch, source = recipe_batch, "--global-batch-size"
-    elif recipe_batch > 0:
-        batch = recipe_batch * nodes
-        source = f"the recipe's {recipe_batch} per node x {nodes} node{'s' * (nodes > 1)}"
-    else:
-        return micro
-    if batch % micro:
-        fits = max(micro, round(batch / micro) * micro)
-        raise LaunchError(
-            f"Global batch {batch} is not a multiple of local batch {local} x {batch_ranks} "
-            f"data-parallel ranks = {micro} ({source}); pass --global-batch-size {fits} "
-            f"(or another multiple of {micro})."
-        )
-    return batch
-
-
-def _resolve_degrees(parallelism: Any, world: int, topology: Topology) -> ParallelDegrees:
-    tp = parallelism.tensor_parallel_degree
-    cp = parallelism.context_parallel_degree
-    pp = parallelism.pipeline_parallel_degree
-    rep = parallelism.data_parallel_replicate_degree
-    shard = parallelism.data_parallel_shard_degree
-    ep = parallelism.expert_parallel_degree
-    for name, value in (
-        ("--tp", tp),
-        ("--ep", ep),
-        ("context parallel", cp),
-        ("pipeline parallel", pp),
-    ):
-        if value < 1:
-            raise LaunchError(f"Parallel degree {name} must be at least 1, not {value}.")
-    others = tp * cp * pp * rep
-    where = f"{world} ranks ({topology.name}, LNC {topology.lnc})"
-    if shard == -1:
-        if world % others:
-            raise LaunchError(
-                f"TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = {others} does not divide the "
-                f"world size of {where}; choose --tp dividing {world}."
-            )
-        shard = world // others
-    degrees = ParallelDegrees(shard, rep, tp, cp, pp, ep)
-    if degrees.product() != world:
-        raise LaunchError(
-            f"FSDP {shard} x TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = "
-            f"{degrees.product()} is not the world size of {where}; "
-            f"drop --fsdp to let it fill the remaining ranks, or make the product {world}."
-        )
-    dense = shard * cp * tp
-    if dense % ep:
-        raise LaunchError(
-            f"Expert parallelism {ep} does not divide FSDP x CP x TP = {dense} on {where}; "
-            f"choose --ep dividing {dense}."
-        )
-    return degrees
 
 
 def _ac_mode(ac_config: Any) -> str:

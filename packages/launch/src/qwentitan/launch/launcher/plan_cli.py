@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import TARGETS
 from qwentitan.launch.launcher.flags import positive
 from qwentitan.launch.launcher.plan import (
@@ -13,6 +14,7 @@ from qwentitan.launch.launcher.plan import (
     LaunchPlan,
     resolve_plan,
 )
+from qwentitan.launch.launcher.plan_file import load_plan
 
 
 def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
@@ -56,8 +58,15 @@ def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
     )
     parser.add_argument(
         "--compile-cache",
-        default=DEFAULT_COMPILE_CACHE,
-        help="Neuron compile (NEFF) cache folder, kept across runs",
+        help="Neuron compile (NEFF) cache folder, kept across runs (default: "
+        f"$TORCH_NEURONX_NEFF_CACHE_DIR, else {DEFAULT_COMPILE_CACHE})",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="-- OVERRIDE",
+        help="after `--`: torchtitan config overrides for every rank, checked by the plan, "
+        "e.g. `-- --compile.enable`",
     )
 
 
@@ -73,6 +82,18 @@ def add_resume_argument(parser: Any) -> None:
 
 
 def plan_from_args(args: Any, **extra: Any) -> LaunchPlan:
+    """The plan the command line asks for: resolved from the flags, or read from `--plan FILE`
+    (a plan `slurm` wrote: every node runs exactly it)."""
+    if getattr(args, "plan", None):
+        if args.recipe:
+            raise LaunchError(
+                "--plan FILE already names the recipe and every setting; drop --recipe and the "
+                "other plan flags, or drop --plan."
+            )
+        return load_plan(args.plan, **extra)
+    if not args.recipe:
+        raise LaunchError("Name the run: pass --recipe NAME (or --plan FILE).")
+    extra = {k: v for k, v in extra.items() if v is not None}  # unset: resolve_plan's default
     return resolve_plan(
         args.recipe,
         instance=args.instance,
@@ -90,6 +111,7 @@ def plan_from_args(args: Any, **extra: Any) -> LaunchPlan:
         compile_cache=args.compile_cache,
         dump_folder=args.dump_folder,
         checkpoint_interval=args.checkpoint_interval,
+        extra_overrides=list(getattr(args, "overrides", None) or []),
         resume=getattr(args, "resume", "auto"),
         **extra,
     )
@@ -115,10 +137,17 @@ def describe(plan: LaunchPlan) -> str:
         f"{'ok' if rule['ok'] else 'NO'}), local {plan.local_batch}, global {plan.global_batch}, "
         f"{plan.steps} steps, activation checkpointing {plan.activation_checkpoint}",
         f"run folder    {plan.run_folder} (resume: {plan.resume})",
+        *(
+            [f"compile       torch.compile, backend {plan.config.compile.backend}"]
+            if plan.config.compile.enable
+            else []
+        ),
         f"memory/rank   {m['total_gib']:.2f} GiB of {m['available_gib']:.2f} GiB "
         f"(state {m['sharded_state_gib']:.2f}, gathered {m['unsharded_transient_gib']:.2f}, "
         f"activations {m['activations_gib']:.2f}, logits {m['logits_gib']:.2f})",
     ]
-    lines += [f"env           {k}={v}" for k, v in plan.env.items()]
+    lines += [
+        f"env           {k}={v}  ({plan.env_sources.get(k, 'plan')})" for k, v in plan.env.items()
+    ]
     lines.append(f"command       {plan.command()}")
     return "\n".join(lines)

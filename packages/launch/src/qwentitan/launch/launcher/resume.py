@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from qwentitan.checkpoint.dcp_metadata import MetadataUnpickler
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.plan import meta_model
+from qwentitan.launch.launcher.memory import meta_model
 
 __all__ = ["UnsafeMetadata", "check_resumable", "read_metadata", "saved_steps", "state_shapes"]
 

@@ -1,10 +1,11 @@
 """An sbatch script for a planned multi-node run: SLURM allocates, torchrun launches, nothing home-made.
 
-One task per node (`srun --ntasks-per-node=1`) runs `qwentitan-launch run`, which starts one
-torchrun agent for the node's ranks and joins the c10d rendezvous hosted on the first node of
-the allocation. The Neuron and EFA environment of the plan is exported before `srun`, so every
-node sees the same settings. `--signal=USR1@<grace>` asks for a checkpoint before the time
-limit, and `--requeue` plus the checkpoint folder let a preempted job resume where it stopped.
+The plan is resolved once, here, and written beside the script (`plan_file`); one task per node
+(`srun --ntasks-per-node=1`) runs `qwentitan-launch run --plan FILE`, which starts one torchrun
+agent for the node's ranks with exactly that plan (its overrides and its environment) and joins
+the c10d rendezvous hosted on the first node of the allocation. `--signal=USR1@<grace>` asks for
+a checkpoint before the time limit, and `--requeue` plus the checkpoint folder let a preempted
+job resume where it stopped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import TRAIN_ENTRY, LaunchPlan
+from qwentitan.launch.launcher.plan_file import save_plan
 
 DEFAULT_PORT = 29500
 
@@ -29,7 +31,6 @@ class SlurmOptions:
     partition: str | None = None
     time: str | None = None  # e.g. "04:00:00"
     port: int = DEFAULT_PORT
-    max_restarts: int = 3
     grace_seconds: int = 120
     log_dir: str = "slurm-logs"
     workdir: str | None = None
@@ -47,7 +48,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def check_options(plan: LaunchPlan, o: SlurmOptions, workdir: str) -> None:
+def check_options(plan: LaunchPlan, o: SlurmOptions, workdir: str, plan_file: str) -> None:
     """Refuse (LaunchError) any value that is not what its line of the script expects, before
     it is written: a newline in a value would start a command of its own."""
     for flag, value, pattern, what in (
@@ -66,6 +67,7 @@ def check_options(plan: LaunchPlan, o: SlurmOptions, workdir: str) -> None:
         "--dump-folder and the overrides": " ".join(plan.trainer_args()),
         "the environment": " ".join(plan.env.values()),
         "the working folder": workdir,
+        "the plan file": plan_file,
         "the log folder": o.log_dir,
         "the launcher": o.launcher,
     }
@@ -79,12 +81,15 @@ def check_options(plan: LaunchPlan, o: SlurmOptions, workdir: str) -> None:
         raise LaunchError(f"The log folder {o.log_dir!r} holds a space; pick one without.")
 
 
-def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
-    """The sbatch script, as text; LaunchError for a value it cannot carry (`check_options`)."""
+def render_sbatch(
+    plan: LaunchPlan, options: SlurmOptions | None = None, plan_file: str | Path = "PLAN.json"
+) -> str:
+    """The sbatch script running the plan saved at `plan_file`, as text; LaunchError for a value
+    it cannot carry (`check_options`)."""
     o = options or SlurmOptions()
     job = o.job_name or f"qwentitan-{plan.recipe}"
     workdir = o.workdir or os.getcwd()
-    check_options(plan, o, workdir)
+    check_options(plan, o, workdir, str(plan_file))
     header = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job}",
@@ -100,21 +105,7 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
     if o.time:
         header.append(f"#SBATCH --time={o.time}")
 
-    run_args = [
-        "run",
-        "--recipe",
-        plan.recipe,
-        "--instance",
-        plan.topology.name,
-        "--lnc",
-        str(plan.lnc),
-        "--ranks-per-node",
-        str(plan.ranks_per_node),
-        "--max-restarts",
-        str(o.max_restarts),
-        *_knob_args(plan),
-    ]
-    quoted = " ".join(shlex.quote(a) for a in run_args)
+    quoted = shlex.join(["run", "--plan", str(plan_file)])
     body = [
         "",
         f"# {plan.world_size} ranks = {plan.nodes} nodes x {plan.ranks_per_node} "
@@ -132,8 +123,8 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
         "HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w \"$HEAD_NODE\" hostname --ip-address | awk '{print $1}')",
         f"RDZV_PORT={o.port}",
         "",
-        "# Neuron runtime and compiler (LNC kept equal), compile cache, EFA.",
-        *(f"export {k}={shlex.quote(v)}" for k, v in plan.env.items()),
+        "# The plan file holds the ranks' environment too (Neuron, compile cache, EFA):",
+        *(f"#   {k}={shlex.quote(v)}" for k, v in plan.env.items()),
         "",
         "# One task per node; each runs one torchrun agent for that node's ranks:",
         f"#   torchrun --nnodes={plan.nodes} --nproc-per-node={plan.ranks_per_node} "
@@ -141,7 +132,6 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
         f"-m {TRAIN_ENTRY} {shlex.join(plan.trainer_args())}",
         f"srun --nodes={plan.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
         f"  {shlex.quote(o.launcher)} {quoted} \\",
-        '  --nnodes "$SLURM_JOB_NUM_NODES" --node-rank "$SLURM_NODEID" \\',
         '  --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"',
         "",
     ]
@@ -149,15 +139,18 @@ def render_sbatch(plan: LaunchPlan, options: SlurmOptions | None = None) -> str:
 
 
 def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | None = None) -> Path:
-    """Write the script atomically (temporary sibling, then rename) and make it executable."""
+    """Write the plan file (`<script>.plan.json`) and the script, each atomically; the script is
+    executable."""
     from qwentitan.checkpoint.files import atomic_file
 
     path = Path(path)
     if path.is_dir():
         raise LaunchError(f"{path} is a folder; pass -o with a file name for the sbatch script.")
-    script = render_sbatch(plan, options)
+    plan_file = path.with_name(f"{path.stem}.plan.json").absolute()
+    script = render_sbatch(plan, options, plan_file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        save_plan(plan, plan_file)
         with atomic_file(path) as tmp:
             tmp.write_text(script)
             tmp.chmod(0o755)
@@ -166,29 +159,3 @@ def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | Non
             f"Could not write {path} ({error.strerror or error}); pass -o with a writable path."
         ) from None
     return path
-
-
-def _knob_args(plan: LaunchPlan) -> list[str]:
-    """Re-state the plan's knobs so every node resolves the same plan."""
-    args: list[str] = []
-    d = plan.degrees
-    if d.tensor_parallel != 1:
-        args += ["--tp", str(d.tensor_parallel)]
-    if d.expert_parallel != 1:
-        args += ["--ep", str(d.expert_parallel)]
-    flags = {
-        "--training.seq-len": "--seq-len",
-        "--training.local-batch-size": "--local-batch-size",
-        "--training.global-batch-size": "--global-batch-size",
-        "--training.steps": "--steps",
-        "--parallelism.data-parallel-shard-degree": "--fsdp",
-        "--dump-folder": "--dump-folder",
-        "--checkpoint.interval": "--checkpoint-interval",
-    }
-    it = iter(plan.overrides)
-    for word in it:
-        if word in flags:
-            args += [flags[word], next(it)]
-        elif word.startswith("activation-checkpoint:"):
-            args += ["--ac", word.split(":", 1)[1]]
-    return args

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 _TINY = "qwentitan.launch.recipes.tiny"
 _TRN2 = "qwentitan.launch.recipes.trn2"
-TRN2_INSTANCE = NEURON_TARGET
 _QWEN3_4B = "Qwen/Qwen3-4B-Instruct-2507"
 _QWEN3_30B = "Qwen/Qwen3-30B-A3B"
 _SMALL_FILES = ("*.json", "*.txt")  # config, tokenizer, generation config, merges
@@ -57,14 +56,14 @@ _RECIPES = {
         Recipe("tiny_hf", _TINY, "hf"),
         Recipe("tiny_moe", _TINY, "native"),
         Recipe("tiny_moe_kernels", _TINY, "moe-kernels"),
-        Recipe("qwen3_4b_hf", _TRN2, "hf", TRN2_INSTANCE, _QWEN3_4B),
-        Recipe("qwen3_4b_native", _TRN2, "native", TRN2_INSTANCE, _QWEN3_4B),
+        Recipe("qwen3_4b_hf", _TRN2, "hf", NEURON_TARGET, _QWEN3_4B),
+        Recipe("qwen3_4b_native", _TRN2, "native", NEURON_TARGET, _QWEN3_4B),
         # Its weights start from a random initialisation: the config and tokenizer suffice.
-        Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", TRN2_INSTANCE, _QWEN3_30B, _SMALL_FILES),
+        Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", NEURON_TARGET, _QWEN3_30B, _SMALL_FILES),
     )
 }
 # The recipes written for one trn2.48xlarge (the others train on this host).
-TRN2_RECIPES = tuple(name for name, r in _RECIPES.items() if r.instance == TRN2_INSTANCE)
+TRN2_RECIPES = tuple(name for name, r in _RECIPES.items() if r.instance == NEURON_TARGET)
 _OTHER_EXPORTS = {"metrics_config": _TINY}
 
 __all__ = [

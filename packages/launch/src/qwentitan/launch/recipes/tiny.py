@@ -9,6 +9,8 @@ a full DCP checkpoint at the end, from which `--resume` continues.
 
 from __future__ import annotations
 
+from functools import partial
+
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
@@ -17,9 +19,9 @@ from torchtitan.components.validate import Validator
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 
+from qwentitan.launch.base.target import Target
 from qwentitan.launch.recipes import recipe_info
 from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
-from qwentitan.launch.runtime.platforms import current_platform
 from qwentitan.launch.runtime.trainer import Trainer
 from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.modeling import get_flavor, model_spec
@@ -35,23 +37,25 @@ def metrics_config(recipe: str = "", path: str = "") -> MetricsProcessor.Config:
     return tracked_metrics(recipe, path)
 
 
-def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
-    platform = current_platform()
-    path = recipe_info(name).path
-    # The platform names the attention that trains there (SDPA on CPU: FlexAttention has no
-    # CPU backward); qwentitan.modeling builds the model with it.
-    # torchtitan computes MoE experts in bfloat16, which a CPU only emulates; in float32 they
-    # also match the kernel experts closely enough for the pilot to compare the two paths.
-    spec = model_spec(
+def tiny_model(flavor: str, path: str, target: Target):
+    """The tiny model as it trains on `target` (the config's `model_for`)."""
+    # The Target names the attention that trains there (SDPA on CPU: FlexAttention has no CPU
+    # backward). torchtitan computes MoE experts in bfloat16, which a CPU only emulates; in
+    # float32 they also match the kernel experts closely enough for the pilot to compare paths.
+    return model_spec(
         get_flavor(flavor),
         path,
-        attn_backend=platform.attention,
-        float32_experts=platform.device_type == "cpu",
+        attn_backend=target.attention,
+        float32_experts=target.device_type == "cpu",
     )
+
+
+def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
+    path = recipe_info(name).path
     vocab = get_flavor(flavor).vocab_size
     steps = 40
     return Trainer.Config(
-        model_spec=spec,
+        model_for=partial(tiny_model, flavor, path),
         hf_assets_path=str(qwen_tokenizer_folder()),
         dump_folder=f"./outputs/{name}",
         metrics=metrics_config(name, path),
@@ -69,7 +73,6 @@ def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
             steps=steps,
             # float32 end to end: CPUs have no fast bfloat16 path, and it keeps resume exact.
             mixed_precision_param="float32",
-            disable_cuda_graphs=not platform.supports_cuda_graphs,
             gc_freq=1000,
         ),
         parallelism=ParallelismConfig(

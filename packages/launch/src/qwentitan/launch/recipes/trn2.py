@@ -28,6 +28,7 @@ so neither is a default. `qwentitan-launch preflight` reads the first batch offl
 from __future__ import annotations
 
 from dataclasses import fields
+from functools import partial
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -36,6 +37,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
 from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base.target import Target
 from qwentitan.launch.recipes import TRN2_RECIPES, recipe_info
 from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader
 from qwentitan.launch.runtime.trainer import Trainer
@@ -52,22 +54,25 @@ def qwen3_30b_a3b_folder() -> str:
     return env_defaults.model_folder("QWENTITAN_QWEN3_30B_A3B_DIR")
 
 
-def _model_spec(flavor: str, recipe: str):
-    from qwentitan.launch.base.target import TARGETS
+def trn2_model(flavor: str, path: str, target: Target):
+    """The model as it trains on `target` (the config's `model_for`): its attention."""
     from qwentitan.modeling import model_spec
 
-    # The attention that trains on the recipe's Trainium target, whatever host plans it.
-    info = recipe_info(recipe)
-    return model_spec(flavor, info.path, attn_backend=TARGETS[info.instance].attention)
+    return model_spec(flavor, path, attn_backend=target.attention)
+
+
+def _model_for(flavor: str, recipe: str):
+    return partial(trn2_model, flavor, recipe_info(recipe).path)
 
 
 def _metrics(recipe: str):
     return tracked_metrics(recipe, recipe_info(recipe).path)
 
 
-def _ours(config) -> Trainer.Config:
-    """Re-home a torchtitan Trainer.Config as ours (platform glue, preemption, early stop)."""
-    return Trainer.Config(**{f.name: getattr(config, f.name) for f in fields(config) if f.init})
+def _ours(config, model_for) -> Trainer.Config:
+    """Re-home a torchtitan Trainer.Config as ours (placement, preemption, early stop)."""
+    given = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    return Trainer.Config(**given, model_for=model_for)
 
 
 def _loss(flavor: str) -> ChunkedLossWrapper.Config:
@@ -84,9 +89,8 @@ def qwen3_4b_hf() -> Trainer.Config:
     HF weights loaded at the start and the final model written back as HF safetensors.
     """
     folder = qwen3_4b_folder()
-    spec = _model_spec("qwen3-4b", "qwen3_4b_hf")
     return Trainer.Config(
-        model_spec=spec,
+        model_for=_model_for("qwen3-4b", "qwen3_4b_hf"),
         hf_assets_path=folder,
         loss=_loss("qwen3-4b"),
         metrics=_metrics("qwen3_4b_hf"),
@@ -113,8 +117,7 @@ def qwen3_4b_hf() -> Trainer.Config:
 
 def qwen3_4b_native() -> Trainer.Config:
     """torchtitan's Qwen3 from its own 32B recipe, overridden to the 4B flavor, global batch 64."""
-    config = _ours(torchtitan_qwen3.qwen3_32b())
-    config.model_spec = _model_spec("qwen3-4b", "qwen3_4b_native")
+    config = _ours(torchtitan_qwen3.qwen3_32b(), _model_for("qwen3-4b", "qwen3_4b_native"))
     config.metrics = _metrics("qwen3_4b_native")
     config.loss = _loss("qwen3-4b")
     config.hf_assets_path = qwen3_4b_folder()
@@ -130,8 +133,9 @@ def qwen3_4b_native() -> Trainer.Config:
 def qwen3_moe_kernels() -> Trainer.Config:
     """Qwen3-30B-A3B cut to 4 layers (64 experts, top-4) in eager mode with qwentitan's custom
     ops for experts, attention and RoPE (NKI on Trainium, reference twins elsewhere)."""
-    config = _ours(torchtitan_qwen3.qwen3_30b_a3b())
-    config.model_spec = _model_spec("qwen3-30b-a3b-4l", "qwen3_moe_kernels")
+    config = _ours(
+        torchtitan_qwen3.qwen3_30b_a3b(), _model_for("qwen3-30b-a3b-4l", "qwen3_moe_kernels")
+    )
     config.metrics = _metrics("qwen3_moe_kernels")
     config.loss = _loss("qwen3-30b-a3b-4l")
     config.hf_assets_path = qwen3_30b_a3b_folder()

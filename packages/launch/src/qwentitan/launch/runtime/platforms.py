@@ -1,16 +1,17 @@
-"""Where training runs: `cpu`, `cuda` or `neuron`, and what each one can do.
+"""The live device of a training process: `cpu`, `cuda` or `neuron`, as torch sees it here.
 
-`current_platform()` is the one place that chooses; every other module asks the `Platform` it
-returns (device module, memory, how many ranks this host holds) instead of probing torch itself.
-The facts of the machine kind (device type, backend, peak FLOPs, attention, which sequence
-lengths work) are its `Target`'s (`target.py`), which the Platform only passes on.
+A `Platform` is only the adapter for the device module torchtitan calls (`torch.cuda`,
+`torch.neuron`, or a stand-in on CPU): its memory figures and how many devices this host shows.
+What a machine kind is (backend, peak FLOPs, attention, the sequence rule) is its `Target`'s
+(`base.target`); which Target a run trains on is a config field (`Trainer.Config.target`), set by
+the launcher. `host_device()` is the one probe of what this host has, for a config that names no
+target.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,22 +19,21 @@ from typing import Any
 import psutil
 import torch
 
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.target import NEURON_TARGET, TARGETS, Target, runtime_lnc
+from qwentitan.launch.base.target import NEURON_TARGET, TARGETS, cpu_cores
 
 __all__ = [
     "PLATFORM_NAMES",
     "CpuDeviceModule",
     "MemoryStats",
     "Platform",
-    "current_platform",
     "get_platform",
+    "host_device",
+    "host_target",
 ]
 
 PLATFORM_NAMES = ("cpu", "cuda", "neuron")
-
-# Environment variable that forces a platform (for example `cpu` on a GPU host).
-PLATFORM_ENV = "QWENTITAN_PLATFORM"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,36 +109,18 @@ class CpuDeviceModule:
 
 @dataclass(frozen=True, slots=True)
 class Platform:
-    """What this host offers a training process: its `Target`'s facts plus the live device."""
+    """The device module of this process, and what it reports (memory, devices)."""
 
     name: str
-    target: Target
+    """Device type: cpu, cuda or neuron."""
     max_ranks: int
-    """Training processes this host holds: one per core on CPU, one per device otherwise."""
-    lnc: int | None = None
+    """Devices this host shows (on CPU, its cores)."""
+    lnc: int = 1
     _device_module: Any = field(default=None, repr=False, compare=False)
 
     @property
     def device_type(self) -> str:
-        return self.target.device_type
-
-    @property
-    def backend(self) -> str:
-        """torch.distributed process-group backend: gloo, nccl or neuron."""
-        return self.target.backend
-
-    @property
-    def attention(self) -> str:
-        return self.target.attention
-
-    @property
-    def peak_flops(self) -> float | None:
-        """Peak dense BF16 FLOP/s of one rank, where published; None on CPU (MFU not reported)."""
-        return self.target.peak_flops(self.lnc or 1)
-
-    @property
-    def seq_len_multiple(self) -> int:
-        return self.target.seq_len_multiple(self.lnc or 1)
+        return self.name
 
     @property
     def device_module(self) -> Any:
@@ -146,10 +128,6 @@ class Platform:
         if self._device_module is not None:
             return self._device_module
         return getattr(torch, self.device_type)
-
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        return self.device_type == "cuda"
 
     def memory_stats(self) -> MemoryStats:
         """This process's memory: RSS on CPU, allocator statistics on an accelerator (on Neuron,
@@ -169,25 +147,8 @@ class Platform:
         from qwentitan.launch.runtime.neuron_runtime import sysfs_peak_bytes
 
         # TorchNeuron's process-group setup leaves one core here (the rank's LOCAL_RANK).
-        core = os.environ.get("NEURON_RT_VISIBLE_CORES", "")
-        return sysfs_peak_bytes(int(core), lnc=self.lnc or 1) if core.isdigit() else None
-
-    def check_ranks(self, ranks: int) -> None:
-        """`train --ranks`: the Target's rule for its kind (on CPU, the same limit `plan` uses)."""
-        if self.device_type == "cpu":
-            self.target.check_ranks(ranks, flag="--ranks")
-            return
-        if ranks < 1:
-            raise LaunchError(f"--ranks {ranks} is not a positive number; pass --ranks 1 or more.")
-        if ranks > self.max_ranks:
-            raise LaunchError(
-                f"--ranks {ranks} is more than this {self.name} host holds ({self.max_ranks} "
-                f"{self.device_type} devices); pass --ranks {self.max_ranks} or fewer."
-            )
-
-    def check_seq_len(self, seq_len: int, max_seq_len: int) -> None:
-        """Refuse a sequence length this platform or the model's RoPE table cannot take."""
-        self.target.check_seq_len(seq_len, self.lnc or 1, max_seq_len)
+        core = env_defaults.visible_cores() or ""
+        return sysfs_peak_bytes(int(core), lnc=self.lnc) if core.isdigit() else None
 
 
 def _torch_neuron() -> Any:
@@ -208,43 +169,38 @@ def _torch_neuron() -> Any:
     return getattr(torch, "neuron", None)
 
 
-def get_platform(name: str) -> Platform:
+def get_platform(name: str, *, lnc: int = 1) -> Platform:
     """The platform called `name` (`cpu`, `cuda`, `neuron`), as this host would run it."""
     if name == "cpu":
-        cpu = TARGETS["cpu"]
-        return Platform("cpu", cpu, cpu.max_ranks(), _device_module=_CPU_DEVICE_MODULE)
+        return Platform("cpu", cpu_cores(), _device_module=_CPU_DEVICE_MODULE)
     if name == "cuda":
-        cuda = TARGETS["cuda"]
-        return Platform("cuda", cuda, cuda.max_ranks())
+        return Platform("cuda", TARGETS["cuda"].max_ranks())
     if name == "neuron":
         from qwentitan.launch.runtime.neuron_runtime import NeuronDeviceModule
 
         module = _torch_neuron()
         return Platform(
             name="neuron",
-            target=TARGETS[NEURON_TARGET],
             max_ranks=module.device_count() if module is not None else 0,
-            lnc=runtime_lnc(),
+            lnc=lnc,
             # TorchNeuron's memory_stats() is nested; torchtitan reads torch.cuda's flat keys.
             _device_module=NeuronDeviceModule(module) if module is not None else None,
         )
-    raise LaunchError(
-        f"Unknown platform {name!r}; choose one of {', '.join(PLATFORM_NAMES)} "
-        f"(for example {PLATFORM_ENV}=cpu)."
-    )
+    raise LaunchError(f"Unknown platform {name!r}; choose one of {', '.join(PLATFORM_NAMES)}.")
 
 
-def current_platform() -> Platform:
-    """The platform this process trains on: $QWENTITAN_PLATFORM, else neuron, cuda, cpu."""
-    forced = os.environ.get(PLATFORM_ENV)
-    if forced:
-        return get_platform(forced)
+def host_device() -> str:
+    """The device this host trains on when nothing names one: neuron, else cuda, else cpu."""
     neuron = _torch_neuron()
     if neuron is not None and neuron.is_available():
-        return get_platform("neuron")
-    if torch.cuda.is_available():
-        return get_platform("cuda")
-    return get_platform("cpu")
+        return "neuron"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def host_target() -> str:
+    """The Target of this host: its device's (a Neuron host is taken as a trn2.48xlarge)."""
+    device = host_device()
+    return NEURON_TARGET if device == "neuron" else device
 
 
 # One per process, so the peak RSS it samples is shared by every caller.

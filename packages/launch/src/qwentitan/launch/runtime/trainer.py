@@ -10,6 +10,12 @@ What happens each training step is torchtitan's `Trainer.train()` loop, unchange
 
 This module adds only what torchtitan 0.3.0 lacks, one place each:
 
+- `Trainer.Config.target` / `.lnc`: the machine kind the run trains on, a config field like any
+  other (the launcher writes `--target trn2.48xlarge --lnc 2` on every rank's line). The config
+  follows from it when it is built (`Config.__post_init__`): the model is built through the
+  recipe's `model_for(target)` (the attention that trains there), and CUDA graphs are on
+  exactly where they exist (CUDA). The Trainer takes its device, backend and MFU peak from the same Target.
+
 - `use_platform()`: point torchtitan at the platform's device module. With no accelerator
   torchtitan falls back to "cuda" (`tools/utils.py: get_device_info`), and several of its modules
   copied that choice at import time.
@@ -40,17 +46,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+import tyro
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
+from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
+from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base.target import Target, get_target
 from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
-from qwentitan.launch.runtime.platforms import Platform, current_platform
+from qwentitan.launch.runtime.platforms import Platform, get_platform, host_target
 from qwentitan.launch.runtime.preemption import PreemptionWatch
 from qwentitan.launch.tracking.reports import FIRST_STEP, attach_report
 
@@ -180,17 +190,54 @@ class Trainer(torchtitan_trainer.Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(torchtitan_trainer.Trainer.Config):
+        target: str = ""
+        """The machine kind the ranks train on, a Target name (cpu, cuda, trn2.48xlarge, ...);
+        "" means this host's (`platforms.host_target`)."""
+        lnc: int | None = None
+        """Logical NeuronCore size on Trainium (None: `NEURON_LOGICAL_NC_CONFIG`, else the
+        Target's default)."""
         stop_after: int | None = None
         """Stop after this step with a full checkpoint, before `training.steps` (a planned
         interruption: a later run with the same folder resumes from it)."""
+        model_for: Annotated[Callable[[Target], ModelSpec] | None, tyro.conf.Suppress] = None
+        """How the recipe builds its model for a Target (set by the recipe, like `model_spec`)."""
+
+        def __post_init__(self) -> None:
+            # Runs again when torchtitan's parser applies the command line, so `--target` reaches
+            # the model and the CUDA-graph switch in the one config the ranks and the plan build.
+            target = self.placed_target()
+            if self.model_for is not None:
+                self.model_spec = self.model_for(target)
+            # CUDA graphs exist on CUDA only; torchtitan validates them (and refuses EP) else.
+            # Set both ways: the recipe's own build (for this host) must not decide for --target.
+            self.training.disable_cuda_graphs = target.device_type != "cuda"
+            torchtitan_trainer.Trainer.Config.__post_init__(self)
+
+        def placed_target(self) -> Target:
+            return get_target(self.target or host_target())
+
+        def placed_lnc(self, target: Target) -> int:
+            """`lnc`, else (on Neuron) the runtime's own setting, else the Target's default."""
+            lnc = self.lnc
+            if lnc is None and target.device_type == "neuron":
+                lnc = env_defaults.configured_lnc()
+            return target.check_lnc(lnc)
+
+        def to_dict(self) -> dict[str, Any]:
+            config = torchtitan_trainer.Trainer.Config.to_dict(self)
+            config.pop("model_for", None)  # a function: the model itself is under model_spec
+            return config
 
     config: Config
+    target: Target
     platform: Platform
     preemption: PreemptionWatch
     first_step_done: bool = False
 
     def __init__(self, config: Config) -> None:
-        self.platform = current_platform()
+        self.target = config.placed_target()
+        lnc = config.placed_lnc(self.target)
+        self.platform = get_platform(self.target.device_type, lnc=lnc)
         use_platform(self.platform)
         # Installed before the model is built: a preemption during start-up is then honoured at
         # the first step boundary instead of killing the rank without a checkpoint.
@@ -207,11 +254,12 @@ class Trainer(torchtitan_trainer.Trainer):
         validator = getattr(self, "validator", None)
         if validator is not None and getattr(validator, "validate", None) is not None:
             validator.validate = self._unless_stopping(validator.validate)
-        if self.platform.backend == "gloo":
+        if self.target.backend == "gloo":
             force_sum_reduction(self.model_parts)
-        if self.platform.peak_flops is not None:
-            self.metrics_processor.gpu_peak_flops = self.platform.peak_flops
-            logger.info(f"MFU against {self.platform.peak_flops:.3e} peak FLOP/s per rank.")
+        peak = self.target.peak_flops(lnc)  # the one place a rank decides its peak
+        if peak is not None:
+            self.metrics_processor.gpu_peak_flops = peak
+            logger.info(f"MFU against {peak:.3e} peak FLOP/s per rank.")
         else:
             # No published peak here (CPU): torchtitan's only switch that drops MFU from the
             # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.

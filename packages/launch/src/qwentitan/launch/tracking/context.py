@@ -1,7 +1,7 @@
 """What a run ran on and with: the tags every tracked run carries.
 
-Everything here is read locally (package metadata, git, /sys, torchrun's environment): nothing waits on
-the network, so building the tags cannot slow a training start.
+Everything here is read locally (package metadata, git, /sys, torchrun's environment through
+`env_defaults`): nothing waits on the network, so building the tags cannot slow a training start.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from qwentitan.launch.base.target import runtime_lnc
+from qwentitan.launch.base import env_defaults
 
 # Distributions whose versions decide whether two runs are comparable.
 VERSIONED = (
@@ -80,15 +80,8 @@ def instance_type(configured: str | None = None) -> str:
     return product if _INSTANCE_TYPE.match(product) else "local"
 
 
-def logical_core_config(platform: str) -> str:
-    """LNC as the Neuron runtime sees it (default 2 on trn2); "n/a" off Trainium."""
-    if platform != "neuron":
-        return "n/a"
-    return str(runtime_lnc())
-
-
-def nodes() -> int:
-    """Hosts in the job: torchrun's WORLD_SIZE over LOCAL_WORLD_SIZE (1 when run alone)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return max(1, world // max(1, local))
+def nodes(world_size: int) -> int:
+    """Hosts in the job: the world size over the ranks of this node (torchrun's
+    LOCAL_WORLD_SIZE; 1 host when run alone)."""
+    local = env_defaults.local_world_size() or world_size
+    return max(1, world_size // max(1, local))

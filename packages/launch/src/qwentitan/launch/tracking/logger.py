@@ -21,12 +21,13 @@ from typing import Any
 from torchtitan.components.metrics import BaseLogger
 from torchtitan.config import Configurable
 
+from qwentitan.checkpoint.files import atomic_file
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.tracking import context, cost
 from qwentitan.launch.tracking.names import flatten_config
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
-from qwentitan.launch.tracking.store import REQUEST_TIMEOUT_S, bounded_http, now_ms
+from qwentitan.launch.tracking.store import REQUEST_TIMEOUT_S, now_ms
 from qwentitan.launch.tracking.summary import RunSummary, step_values
 from qwentitan.launch.tracking.writer import BackgroundWriter
 
@@ -117,11 +118,12 @@ class MLflowLogger(BaseLogger, Configurable):
         config_dict: dict[str, Any] | None = None,
         tags: dict[str, str] | None = None,
         world_size: int = 1,
+        nodes: int = 1,
     ) -> None:
         self.config = config
         self.run_dir = Path(run_dir).resolve()
         self.world_size = world_size
-        self.instances = context.nodes()
+        self.instances = nodes
         self.tracking_uri = resolve_tracking_uri(config.tracking_uri)
         self.run_key = uuid.uuid4().hex
         self.summary = RunSummary()
@@ -143,10 +145,6 @@ class MLflowLogger(BaseLogger, Configurable):
         if price:
             all_tags["cost.usd_per_hour"] = f"{price[0]:g}"
             all_tags["cost.price_source"] = price[1]
-
-        # Bounded HTTP waits for the writer thread; a user's own settings win.
-        for key, value in bounded_http(config.request_timeout_s).items():
-            os.environ.setdefault(key, value)
 
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.spool = SpoolWriter(self.run_dir / SPOOL_FOLDER / f"{stamp}-{self.run_key[:8]}.jsonl")
@@ -171,7 +169,7 @@ class MLflowLogger(BaseLogger, Configurable):
         if config_dict is not None:
             resolved = self.spool.path.with_suffix("") / "resolved_config.json"
             try:
-                _write_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
+                write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
                 self.attach(resolved, "config")
             except OSError:
                 pass  # a spool folder without room: its warning is said by the spool
@@ -245,8 +243,8 @@ def active_loggers() -> list[MLflowLogger]:
         return list(_ACTIVE)
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (the workspace's one atomic helper)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.replace(path)
+    with atomic_file(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")

@@ -24,6 +24,7 @@ from torchtitan.components.metrics import (
 )
 from torchtitan.distributed import ParallelDims
 
+from qwentitan.launch.base.target import NEURON_TARGET, get_target
 from qwentitan.launch.tracking import context
 from qwentitan.launch.tracking.logger import MLflowLogger, experiment_name
 from qwentitan.launch.tracking.summary_logger import SummaryLogger
@@ -39,25 +40,16 @@ class TrackedMetrics(MetricsProcessor):
 
         mlflow: MLflowLogger.Config = field(default_factory=MLflowLogger.Config)
 
-        peak_flops: float | None = None
-        """Peak FLOP/s per rank for MFU; None: the platform's, set by qwentitan's Trainer (none on
-        CPU: MFU not logged)."""
-
-        platform: str | None = None
-        """Platform name for the tags (cpu, cuda, neuron); None: the device torchtitan uses."""
-
     config: Config
     mlflow: MLflowLogger | None
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.mlflow = None
         super().__init__(config, **kwargs)
-        # qwentitan's Trainer then sets the platform's own peak (or drops MFU where none is known).
-        peak = config.peak_flops
-        if peak is None and _platform_name(config.platform) == "cuda":
-            peak = self.gpu_peak_flops  # torchtitan's own table knows the NVIDIA parts
-        # torchtitan divides by this; NaN makes MFU NaN, which MLflowLogger leaves out.
-        self.gpu_peak_flops = peak if peak else math.nan
+        # qwentitan's Trainer then sets its Target's peak (or drops MFU where none is known);
+        # until then torchtitan's guess (an A100 on CPU) is not used: NaN makes MFU NaN, which
+        # MLflowLogger leaves out.
+        self.gpu_peak_flops = math.nan
         self._process = psutil.Process()
 
     def _build_metric_logger(
@@ -87,6 +79,7 @@ class TrackedMetrics(MetricsProcessor):
                 config_dict=config_dict,
                 tags=_run_tags(config, parallel_dims, config_dict or {}),
                 world_size=parallel_dims.world_size,
+                nodes=context.nodes(parallel_dims.world_size),
             )
             container.add_logger(self.mlflow)
         # Added last, so it closes after MLflow's logger and can report its run id.
@@ -111,14 +104,18 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _platform_name(configured: str | None) -> str:
-    # torchtitan's device_type, which qwentitan's Trainer rebinds to its platform's
-    # (trainer.use_platform): tracking imports nothing of the runtime layer (docs/architecture.md).
-    if configured:
-        return configured
+def _placement(config_dict: dict[str, Any]) -> tuple[str, str]:
+    """(device type, LNC) for the tags: torchtitan's device_type, which qwentitan's Trainer
+    rebinds to its Target's (tracking imports nothing of the runtime layer), and the config's
+    LNC (its Target's default when unset); "n/a" off Trainium."""
     from torchtitan.tools.utils import device_type
 
-    return device_type
+    if device_type != "neuron":
+        return device_type, "n/a"
+    lnc = (
+        config_dict.get("lnc") or get_target(config_dict.get("target") or NEURON_TARGET).default_lnc
+    )
+    return device_type, str(lnc)
 
 
 def tracked_metrics(recipe: str, path: str, **metrics: Any) -> TrackedMetrics.Config:
@@ -136,11 +133,11 @@ def tracked_metrics(recipe: str, path: str, **metrics: Any) -> TrackedMetrics.Co
 def _run_tags(
     config: TrackedMetrics.Config, parallel_dims: ParallelDims, config_dict: dict[str, Any]
 ) -> dict[str, str]:
-    platform = _platform_name(config.platform)
+    platform, lnc = _placement(config_dict)
     spec = config_dict.get("model_spec") or {}
     tags = {
         "platform": platform,
-        "lnc": context.logical_core_config(platform),
+        "lnc": lnc,
         "flavor": str(spec.get("flavor", "unknown")) if isinstance(spec, dict) else "unknown",
         "model": str(spec.get("name", "unknown")) if isinstance(spec, dict) else "unknown",
     }

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.tracking.logger import REPORTS_FOLDER, _write_atomically, active_loggers
+from qwentitan.launch.tracking.logger import REPORTS_FOLDER, active_loggers, write_text_atomically
 
 # Names the rest of qwentitan uses, so the MLflow artifact tree reads the same for every run.
 LAUNCH_PLAN = "launch_plan"
@@ -36,7 +36,7 @@ def attach_report(
     folder = Path(run_dir) / REPORTS_FOLDER
     if isinstance(report, Mapping):
         target = folder / (name if name.endswith(".json") else f"{name}.json")
-        _write_atomically(target, json.dumps(report, indent=2, default=str))
+        write_text_atomically(target, json.dumps(report, indent=2, default=str))
     else:
         source = Path(report)
         if not source.is_file():
@@ -44,7 +44,7 @@ def attach_report(
                 f"Report file {source} does not exist; write it first or pass the report as a dict."
             )
         target = folder / (name + source.suffix if not Path(name).suffix else name)
-        _write_atomically(target, source.read_text(encoding="utf-8"))
+        write_text_atomically(target, source.read_text(encoding="utf-8"))
     for logger in active_loggers():
         if logger.run_dir == Path(run_dir).resolve():
             logger.attach(target)

@@ -8,12 +8,13 @@ live session that got half-way) adds each metric point, parameter and artifact a
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from qwentitan.launch.base import env_defaults
 
 RUN_KEY_TAG = "qwentitan.run_key"
 PARENT_TAG = "mlflow.parentRunId"
@@ -45,16 +46,9 @@ def bounded_http(timeout_s: int = REQUEST_TIMEOUT_S) -> dict[str, str]:
     }
 
 
-@contextlib.contextmanager
-def bounded_http_waits(timeout_s: int = REQUEST_TIMEOUT_S) -> Iterator[None]:
+def bounded_http_waits(timeout_s: int = REQUEST_TIMEOUT_S) -> contextlib.AbstractContextManager:
     """Apply `bounded_http` where the user has not set these variables; restore them after."""
-    added = {k: v for k, v in bounded_http(timeout_s).items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
+    return env_defaults.lacking_set(bounded_http(timeout_s))
 
 
 class MlflowTarget:

@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.recipes import recipe_info, recipe_names
 
@@ -56,7 +57,7 @@ def fetch(
             snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns) or None)
         )
     except (LocalEntryNotFoundError, HfHubHTTPError) as error:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        offline = env_defaults.hub_offline_set()
         why = (
             "HF_HUB_OFFLINE is set and the Hub cache lacks it" if offline else type(error).__name__
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.launcher.plan_cli import add_plan_arguments, plan_from_args
@@ -52,6 +51,6 @@ def run(args: argparse.Namespace) -> int:
     )
     print(report.to_json() if args.json else report.render())
     if args.mlflow:
-        run_id = report.log_to_mlflow(args.mlflow, os.environ.get("MLFLOW_RUN_ID"))
+        run_id = report.log_to_mlflow(args.mlflow, env_defaults.mlflow_run_id())
         print(f"report attached to MLflow run {run_id}")
     return 0 if report.passed else 1

@@ -6,7 +6,6 @@ import argparse
 import re
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.environment import rank_env
 from qwentitan.launch.launcher.flags import non_negative
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.plan_cli import (
@@ -19,17 +18,19 @@ from qwentitan.launch.launcher.plan_cli import (
 NAME = "run"
 HELP = (
     "Plan, check and launch a recipe on this node with torchrun (c10d rendezvous). For several "
-    "nodes, run it once per node with --nnodes N --node-rank K --rdzv-endpoint HOST:PORT; "
-    "--dry-run only prints the plan. Trainium launches are untested: nothing here has run on "
-    "Trainium."
+    "nodes, run it once per node with --nnodes N --rdzv-endpoint HOST:PORT (c10d numbers the "
+    "nodes as they join), or with --plan FILE as `slurm` writes it; --dry-run only prints the "
+    "plan. Trainium launches are untested: nothing here has run on Trainium."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_plan_arguments(parser)
+    add_plan_arguments(parser, recipe_required=False)
     add_resume_argument(parser)
     parser.add_argument(
-        "--node-rank", type=non_negative, default=0, help="this node's rank (0..N-1)"
+        "--plan",
+        help="run exactly the plan in this file (written by `slurm`) instead of resolving one "
+        "from --recipe and the flags",
     )
     parser.add_argument(
         "--rdzv-endpoint",
@@ -38,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts",
         type=non_negative,
-        default=0,
+        default=None,
         help="torchrun restarts of the whole group after a rank fails; each resumes from the "
-        "last checkpoint",
+        "last checkpoint (default 0, or the plan file's)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
 
@@ -65,21 +66,16 @@ def check_endpoint(endpoint: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.rdzv_endpoint is not None:
         check_endpoint(args.rdzv_endpoint)
-    if args.nodes > 1 and not args.rdzv_endpoint:
-        raise LaunchError(
-            f"A {args.nodes}-node run needs the rendezvous address; pass --rdzv-endpoint "
-            "HOST:PORT naming the first node."
-        )
-    if not 0 <= args.node_rank < args.nodes:
-        raise LaunchError(
-            f"--node-rank {args.node_rank} is outside 0..{args.nodes - 1} for {args.nodes} nodes."
-        )
     plan = plan_from_args(
         args,
         rdzv_endpoint=args.rdzv_endpoint,
-        node_rank=args.node_rank,
         max_restarts=args.max_restarts,
     )
+    if plan.nodes > 1 and not args.rdzv_endpoint:
+        raise LaunchError(
+            f"A {plan.nodes}-node run needs the rendezvous address; pass --rdzv-endpoint "
+            "HOST:PORT naming the first node."
+        )
     print(describe(plan), flush=True)
     if args.dry_run:
         return 0
@@ -89,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     check_host(plan)
     check_checkpoints(plan, folder_flag="--dump-folder", resume_flag="--resume latest")
     check_free_disk(plan, folder_flag="--dump-folder")
-    return supervise(plan.launch_argv(), rank_env(plan))
+    return supervise(plan.launch_argv(), plan.rank_env())
 
 
 def check_host(plan: LaunchPlan) -> None:

@@ -10,8 +10,9 @@ from qwentitan.launch.launcher.slurm import DEFAULT_PORT, SlurmOptions, write_sb
 
 NAME = "slurm"
 HELP = (
-    "Write an sbatch script: one torchrun agent per node through srun, c10d rendezvous on the "
-    "first node, the Neuron and EFA environment, USR1 before the time limit for a checkpoint. "
+    "Resolve the plan once and write it (<script>.plan.json) with an sbatch script: one torchrun "
+    "agent per node through srun running exactly that plan, c10d rendezvous on the first node, "
+    "USR1 before the time limit for a checkpoint. "
     "Not run on a Trainium cluster."
 )
 
@@ -36,16 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_from_args(args)
+    plan = plan_from_args(args, max_restarts=args.max_restarts)
     options = SlurmOptions(
         partition=args.partition,
         time=args.time,
         port=args.port,
-        max_restarts=args.max_restarts,
         grace_seconds=args.grace_seconds,
     )
     path = write_sbatch(plan, args.output or f"{plan.recipe}.sbatch", options)
     print(
-        f"wrote {path}: {plan.nodes} nodes x {plan.ranks_per_node} ranks; submit with sbatch {path}"
+        f"wrote {path} and its plan {path.with_name(path.stem + '.plan.json')}: {plan.nodes} "
+        f"nodes x {plan.ranks_per_node} ranks; submit with sbatch {path}"
     )
     return 0

@@ -5,9 +5,10 @@
 line (`LaunchPlan.launch_argv`) with its rank environment under the same supervisor as `run`,
 so `plan --json` shows exactly the line `train` runs.
 
-Everything a user can get wrong is checked here, before any process starts, and refused in
-one sentence (exit 2): the numbers (by argparse), the recipe, the ranks this host holds, the
-sequence length, every line of a local dataset, the tokenizer folder, the checkpoints already
+Everything a user can get wrong is checked before any process starts, and refused in one
+sentence (exit 2): the numbers (by argparse), then the plan's own checks (`resolve_plan`: the
+recipe, the ranks this host holds, the sequence length, `--stop-after`, every override), every
+line of a local dataset, the tokenizer folder, the checkpoints already
 in the run folder (under `--resume`: whole, and of this recipe's model; without it: none), and
 the free disk the planned checkpoints need. Each fresh run without `--run-dir` gets its own
 folder `outputs/RECIPE/<start time>`, and `outputs/RECIPE/latest` points at the newest one,
@@ -43,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", type=positive, help="total steps to reach (default: the recipe's)"
     )
     parser.add_argument(
-        "--ranks", type=positive, help="processes (default: 2, or fewer if the host holds fewer)"
+        "--ranks",
+        type=positive,
+        help="processes (default: 2 on CPU, or fewer if the host holds fewer; every GPU)",
     )
     parser.add_argument(
         "--resume",
@@ -84,7 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qwentitan.launch.launcher.environment import rank_env
     from qwentitan.launch.launcher.plan import resolve_plan
     from qwentitan.launch.launcher.plan_cli import describe
     from qwentitan.launch.launcher.run_folder import (
@@ -103,22 +105,10 @@ def run(args: argparse.Namespace) -> int:
         check_tokenizer_folder,
         resolve_dataset,
     )
-    from qwentitan.launch.runtime.platforms import current_platform
+    from qwentitan.launch.runtime.platforms import host_target
     from qwentitan.launch.runtime.preemption import supervise
 
-    platform = current_platform()
-    recipe = get_recipe(args.recipe)  # an unknown name is refused before anything slower
-    ranks = args.ranks if args.ranks is not None else min(2, platform.max_ranks)
-    platform.check_ranks(ranks)
-    config = recipe()  # builds the cached offline assets once, before the ranks need them
-    steps = args.steps if args.steps is not None else config.training.steps
-    if args.stop_after is not None and args.stop_after >= steps:
-        raise LaunchError(
-            f"--stop-after {args.stop_after} is not before the last step {steps}; pass "
-            f"--stop-after {steps - 1} or less, or raise --steps."
-        )
-    seq_len = args.seq_len if args.seq_len is not None else config.training.seq_len
-    platform.check_seq_len(seq_len, _max_positions(config.model_spec.model))
+    get_recipe(args.recipe)  # an unknown name is refused before anything slower
     if args.tokenizer is not None:
         check_tokenizer_folder(args.tokenizer)
 
@@ -139,11 +129,13 @@ def run(args: argparse.Namespace) -> int:
 
     plan = resolve_plan(
         args.recipe,
-        instance=platform.target.name,
-        ranks_per_node=ranks,
+        instance=host_target(),
+        ranks_per_node=args.ranks,
+        ranks_flag="--ranks",
         seq_len=args.seq_len,
         local_batch=args.local_batch_size,
         steps=args.steps,
+        stop_after=args.stop_after,
         dump_folder=str(run_dir),
         # the user's own overrides last, so they win; resolve_plan has torchtitan's parser
         # check them all before any rank starts
@@ -171,13 +163,14 @@ def run(args: argparse.Namespace) -> int:
 
     print(describe(plan), flush=True)
     print(
-        f"qwentitan-launch train: {args.recipe} on {ranks} {platform.name} rank(s), "
+        f"qwentitan-launch train: {args.recipe} on {plan.ranks_per_node} "
+        f"{plan.topology.device_type} rank(s), "
         f"{plan.steps} steps, run folder {run_dir}",
         flush=True,
     )
     started = time.time()
     with hold_run_folder(run_dir, folder_flag="--run-dir"):
-        code = supervise(plan.launch_argv(), rank_env(plan))
+        code = supervise(plan.launch_argv(), plan.rank_env())
     summary = _summary_block(
         run_dir, plan.checkpoint_folder if plan.config.checkpoint.enable else None, started
     )
@@ -205,16 +198,7 @@ def _train_overrides(args: argparse.Namespace) -> list[str]:
         "--dataloader.dataset": args.dataset,
         "--validator.dataloader.dataset": args.dataset,
         "--hf-assets-path": str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
-        "--stop-after": args.stop_after,
         "--validator.freq": args.validate_every,
     }
     given = {flag: value for flag, value in overrides.items() if value is not None}
     return [word for flag, value in given.items() for word in (flag, str(value))]
-
-
-def _max_positions(model: object) -> int:
-    """The longest sequence the model's RoPE table holds (native: `max_seq_len`; hf: the flavor's)."""
-    flavor = getattr(model, "flavor", None)
-    if flavor is not None:
-        return flavor.max_position_embeddings
-    return model.max_seq_len

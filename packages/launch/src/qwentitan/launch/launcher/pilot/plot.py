@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from qwentitan.checkpoint.files import atomic_file
 from qwentitan.launch.launcher.pilot.compare import PairResult
 
 # Differences of exactly zero (bit-identical steps) have no place on a log axis; a symmetric
@@ -48,11 +48,9 @@ def plot_losses(losses: dict[str, dict[int, float]], results: list[PairResult], 
     gaps.set_ylabel("|loss difference|\n(dashed: limit)")
     gaps.set_xlabel("step")
     gaps.legend()
-    partial = file.with_name(f".{file.name}.partial-{os.getpid()}.png")
     try:
-        figure.savefig(partial, dpi=100)
-        partial.replace(file)
+        with atomic_file(file) as partial:
+            figure.savefig(partial, dpi=100, format="png")
     finally:
         plt.close(figure)
-        partial.unlink(missing_ok=True)
     return file

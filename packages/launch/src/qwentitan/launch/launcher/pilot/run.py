@@ -26,20 +26,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwentitan.checkpoint.files import atomic_folder
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.pilot.compare import PAIRS, PairResult, compare
+from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR, PairResult, compare
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.recipes import recipe_info
-from qwentitan.launch.runtime.data.cache import atomic_folder
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
 from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
 
 PILOT_EXPERIMENT = "qwentitan-pilot"
-# The tiny recipes' 1e-2 trains fast but spikes now and then (loss 8.3 -> 10.2 at one step
-# in a 20-step run), and that spike magnified the float32 rounding difference between hf and
-# native a thousandfold. The pilot compares paths, so it trains where a step is well
-# conditioned.
-PILOT_LR = 3e-3
 LOCAL_UI = "http://127.0.0.1:5000"  # where `uv run nox -s mlflow_ui` serves a local store
 PLOT = "pilot_losses.png"
 # `--perturb CHILD` starts that child from a copy of its pair's checkpoint with this weight
@@ -94,9 +89,11 @@ def run_pilot(
     for pair in chosen:
         for recipe in pair.recipes:
             recipe_info(recipe)  # a typo in PAIRS fails here, before anything trains
-    from qwentitan.launch.runtime.platforms import current_platform
+    from qwentitan.launch.base.target import get_topology
+    from qwentitan.launch.runtime.platforms import host_target
 
-    current_platform().check_ranks(ranks)  # before any checkpoint or MLflow run is written
+    # the Target's rank check, before any checkpoint or MLflow run is written
+    get_topology(host_target(), ranks_per_node=ranks, ranks_flag="--ranks")
     uri = resolve_tracking_uri(tracking_uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder = Path(run_dir) if run_dir else Path("outputs") / "pilot" / stamp

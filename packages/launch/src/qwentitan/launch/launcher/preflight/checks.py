@@ -5,21 +5,21 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata as md
 import json
-import math
-import os
-import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from qwentitan.launch.base import neuron_sdk
+from qwentitan.checkpoint.files import disk_room
+from qwentitan.launch.base import env_defaults, neuron_sdk
+from qwentitan.launch.base.env_defaults import COMPILER_FLAGS, LNC_ENV, VISIBLE_CORES
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.target import GIB, LNC_ENV, configured_lnc
-from qwentitan.launch.launcher.environment import lnc_in_compiler_flags, merged_env, rank_env
+from qwentitan.launch.base.target import GIB
+from qwentitan.launch.launcher.environment import check_shell, lnc_in_compiler_flags
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.preflight.report import CheckResult
+from qwentitan.launch.launcher.run_folder import planned_checkpoint_bytes
 
 # The matrix the README's "Tested matrix" lists: version prefixes that were run.
 TESTED = {
@@ -62,10 +62,10 @@ def check_versions(plan: LaunchPlan) -> CheckResult:
 
 
 def host_device_type() -> str:
-    """The device this host would train on (asks the platform layer, the one place that decides)."""
-    from qwentitan.launch.runtime.platforms import current_platform
+    """The device this host would train on (asks the platform layer, the one place that probes)."""
+    from qwentitan.launch.runtime.platforms import host_device
 
-    return current_platform().device_type
+    return host_device()
 
 
 def check_devices(plan: LaunchPlan) -> CheckResult:
@@ -90,22 +90,22 @@ def check_devices(plan: LaunchPlan) -> CheckResult:
 def check_lnc(plan: LaunchPlan) -> CheckResult:
     if plan.topology.device_type != "neuron":
         return CheckResult("lnc", "skip", "LNC applies to Trainium only")
-    runtime = configured_lnc(plan.env)
-    compiler = lnc_in_compiler_flags(plan.env.get("NEURON_CC_FLAGS", ""))
-    figures = {"plan_lnc": plan.lnc, "runtime": runtime, "compiler": compiler}
-    if runtime != plan.lnc or compiler != plan.lnc:
-        return CheckResult(
-            "lnc", "fail", f"runtime LNC {runtime} and compiler --lnc {compiler} differ", figures
-        )
+    runtime = env_defaults.configured_lnc(plan.env)
+    # TorchNeuron passes --lnc from the runtime's variable to the compiler itself; a shell's
+    # NEURON_CC_FLAGS may only repeat it.
+    compiler = lnc_in_compiler_flags(env_defaults.compiler_flags())
+    figures = {"plan_lnc": plan.lnc, "runtime": runtime, "shell_compiler": compiler}
+    if runtime != plan.lnc:
+        return CheckResult("lnc", "fail", f"runtime LNC {runtime} is not the plan's", figures)
     try:
-        env = merged_env(plan)  # refuses a conflicting value already set in this shell
+        check_shell(plan.topology, env_defaults.shell())  # this shell's Neuron settings
     except LaunchError as error:
         return CheckResult("lnc", "fail", str(error), figures)
-    figures["shell_cc_flags"] = env.get("NEURON_CC_FLAGS")
     return CheckResult(
         "lnc",
         "pass",
-        f"{LNC_ENV}={runtime} and NEURON_CC_FLAGS --lnc={compiler} agree (this shell included)",
+        f"{LNC_ENV}={runtime}, which TorchNeuron passes to the compiler as --lnc "
+        f"({COMPILER_FLAGS} names {'no LNC' if compiler is None else 'the same'})",
         figures,
     )
 
@@ -124,82 +124,24 @@ def check_seq_len(plan: LaunchPlan) -> CheckResult:
     return CheckResult(
         "seq_len",
         "pass",
-        f"{plan.seq_len} is a multiple of {multiple} (128 x LNC {plan.lnc})",
+        f"{plan.seq_len} is a multiple of {multiple} (the NKI attention kernels' rule)",
         figures,
     )
 
 
-# Measured on tiny_dense's step-N (torch 2.14 DCP): each saved tensor costs about 1.6 kB of zip
-# record in its .distcp file and 0.3 kB of .metadata besides its bytes.
-_BYTES_PER_TENSOR = 2048
-# A rank's data position (three token buffers of up to seq_len ints, pickled) and the small
-# states every checkpoint also holds (step, lr schedule).
-_BYTES_PER_BUFFERED_TOKEN = 3 * 10
-_SMALL_STATES = 64 * 1024
-
-
-def checkpoint_bytes(plan: LaunchPlan, *, full: bool = True) -> int:
-    """Bytes of one saved step: with `full`, model, AdamW's two moments (and step) per
-    parameter, and every rank's data position; else the model only (the final model-only or
-    HF save, in the export dtype). The model is counted by its state dict, as torchtitan saves
-    it: a tied embedding is saved under both of its names."""
-    from qwentitan.launch.launcher.resume import state_shapes
-
-    shapes = state_shapes(plan.config)
-    elements = sum(math.prod(shape) for shape in shapes.values())
-    params = plan.model_shape.params if plan.model_shape else elements
-    ckpt = plan.config.checkpoint
-    training = 4 if plan.config.training.dtype == "float32" else 2
-    if not full:
-        export = {"float16": 2, "bfloat16": 2}.get(getattr(ckpt, "export_dtype", ""), training)
-        return elements * export + len(shapes) * _BYTES_PER_TENSOR
-    data = plan.world_size * (plan.seq_len * _BYTES_PER_BUFFERED_TOKEN + _BYTES_PER_TENSOR)
-    return (
-        elements * training
-        + 2 * params * training
-        + 4 * len(shapes) * _BYTES_PER_TENSOR  # the model's tensors, and AdamW's three per one
-        + data
-        + _SMALL_STATES
-    )
-
-
-def planned_checkpoint_bytes(plan: LaunchPlan) -> int:
-    """Bytes the run's checkpoints take at most at once: the kept interval saves plus the one
-    being written (torchtitan purges beyond `keep_latest_k` only after a save)."""
-    ckpt = plan.config.checkpoint
-    if not getattr(ckpt, "enable", False):
-        return 0
-    interval = max(int(getattr(ckpt, "interval", plan.steps) or plan.steps), 1)
-    # Interval saves before the last step; the last step's save is the final one.
-    before_last = (plan.steps - 1) // interval
-    keep = min(getattr(ckpt, "keep_latest_k", 0) or before_last, before_last)
-    full_state = checkpoint_bytes(plan)
-    model_only = getattr(ckpt, "last_save_in_hf", False) or getattr(
-        ckpt, "last_save_model_only", True
-    )
-    final = checkpoint_bytes(plan, full=False) if model_only else full_state
-    at_an_interval = min(keep + 1, before_last) * full_state
-    return max(at_an_interval, keep * full_state + final)
-
-
 def check_disk(plan: LaunchPlan) -> CheckResult:
-    folder = Path(plan.config.dump_folder).expanduser().resolve()
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    need = planned_checkpoint_bytes(plan)
+    room = disk_room(Path(plan.config.dump_folder), planned_checkpoint_bytes(plan))
     figures = {
-        "folder": str(folder),
-        "free_gib": round(free / GIB, 2),
-        "needed_gib": round(need / GIB, 3),
+        "folder": str(room.folder),
+        "free_gib": round(room.free / GIB, 2),
+        "needed_gib": round(room.needed / GIB, 3),
     }
-    ok = free >= need * 1.1
     return CheckResult(
         "disk",
-        "pass" if ok else "fail",
-        f"{free / GIB:.1f} GiB free at {probe}, checkpoints need about {need / GIB:.2f} GiB"
-        + ("" if ok else "; free space or point --dump-folder elsewhere"),
+        "pass" if room.enough else "fail",
+        f"{room.free / GIB:.1f} GiB free at {room.folder}, checkpoints need about "
+        f"{room.needed / GIB:.2f} GiB"
+        + ("" if room.enough else "; free space or point --dump-folder elsewhere"),
         figures,
     )
 
@@ -235,8 +177,7 @@ def check_kernels(plan: LaunchPlan) -> CheckResult:
 
 
 def env_summary() -> dict[str, str]:
-    keys = (LNC_ENV, "NEURON_CC_FLAGS", "NEURON_RT_VISIBLE_CORES")
-    return {k: os.environ[k] for k in keys if k in os.environ}
+    return env_defaults.pick((LNC_ENV, COMPILER_FLAGS, VISIBLE_CORES))
 
 
 Runner = Callable[[list[str], dict[str, str]], int]
@@ -249,6 +190,8 @@ def _run(command: list[str], env: dict[str, str]) -> int:
 def smoke_command(plan: LaunchPlan, run_dir: Path) -> list[str]:
     """The plan's own torchrun command on this one node, cut to one step with no checkpoint."""
     smoke = ["--training.steps", "1", "--checkpoint.no-enable", "--dump-folder", str(run_dir)]
+    if hasattr(plan.config.metrics, "mlflow"):
+        smoke.append("--metrics.mlflow.no-enable")  # a smoke step is not a run to keep
     overrides = list(plan.overrides)
     # The activation-checkpointing choice is a tyro subcommand, which must stay last.
     at = len(overrides) - (bool(overrides) and overrides[-1].startswith("activation-checkpoint:"))
@@ -271,8 +214,7 @@ def check_compile_smoke(
         return CheckResult("compile_smoke", "skip", f"runs one step on a {wanted} host only")
     with tempfile.TemporaryDirectory(prefix="qwentitan-smoke-") as tmp:
         run_dir = Path(tmp)
-        env = rank_env(plan)
-        env["QWENTITAN_MLFLOW"] = "off"  # a smoke step is not a run to keep
+        env = plan.rank_env()
         start = time.perf_counter()
         code = (runner or _run)(smoke_command(plan, run_dir), env)
         wall = time.perf_counter() - start

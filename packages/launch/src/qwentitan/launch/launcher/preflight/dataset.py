@@ -8,11 +8,9 @@ with the Hub switched off, so it passes only for data that is on this host.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
+from qwentitan.launch.base.env_defaults import hub_offline
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.preflight.report import CheckResult
 
@@ -21,31 +19,6 @@ from qwentitan.launch.launcher.preflight.report import CheckResult
 BYTES_PER_TOKEN = 4.5
 # Above this many passes over local data the check says to bring more (it still passes).
 REPEATS_NOTED = 10
-_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-@contextlib.contextmanager
-def hub_offline() -> Iterator[None]:
-    """Hugging Face Hub and datasets offline for the block (they read these at each call)."""
-    saved = {name: os.environ.get(name) for name in _OFFLINE_ENV}
-    os.environ.update(_OFFLINE_ENV)
-    try:
-        import datasets.config as datasets_config
-
-        was = datasets_config.HF_HUB_OFFLINE
-        datasets_config.HF_HUB_OFFLINE = True  # read once at import, so set it too
-    except ImportError:
-        datasets_config = None
-    try:
-        yield
-    finally:
-        if datasets_config is not None:
-            datasets_config.HF_HUB_OFFLINE = was
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _tokenizer_folder(plan: LaunchPlan) -> tuple[str, str]:

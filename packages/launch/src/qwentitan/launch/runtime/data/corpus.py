@@ -19,7 +19,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from qwentitan.launch.runtime.data.cache import atomic_folder, cache_root
+from qwentitan.checkpoint.files import atomic_folder
+from qwentitan.launch.base.env_defaults import cache_root
 
 __all__ = ["CORPUS_FILE", "build_corpus", "corpus_documents", "offline_corpus"]
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from qwentitan.checkpoint.files import atomic_folder
+from qwentitan.launch.base.env_defaults import cache_root
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.runtime.data.cache import atomic_folder, cache_root
 
 __all__ = [
     "QWEN3_PADDED_VOCAB",

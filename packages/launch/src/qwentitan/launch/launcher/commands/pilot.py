@@ -1,0 +1,67 @@
+"""`qwentitan-launch pilot`: the implementation paths trained side by side and compared."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from qwentitan.launch.launcher.flags import whole_number
+from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR
+
+NAME = "pilot"
+HELP = (
+    "Train each pair of implementation paths from one seeded checkpoint and compare their loss "
+    "curves in MLflow; exit 1 when a pair differs by more than its limit."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=whole_number(1), default=20)
+    parser.add_argument("--ranks", type=whole_number(1), default=2, help="ranks of every child")
+    parser.add_argument("--seq-len", type=whole_number(1), default=None)
+    parser.add_argument("--local-batch-size", type=whole_number(1), default=None)
+    parser.add_argument("--seed", type=whole_number(0), default=0, help="of the checkpoints")
+    parser.add_argument(
+        "--lr", type=float, default=PILOT_LR, help=f"every child's (default {PILOT_LR:g})"
+    )
+    parser.add_argument(
+        "--pair", action="append", choices=list(PAIRS), help="train only this pair (repeatable)"
+    )
+    parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--tracking-uri", default=None)
+    parser.add_argument(
+        "--perturb",
+        metavar="CHILD",
+        default=None,
+        help="start CHILD (e.g. native) from a copy of its checkpoint with one weight scaled by "
+        "1.1: the pilot must then fail, which shows that its check can",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from qwentitan.launch.launcher.pilot.run import run_pilot
+
+    # MLflow's INFO lines (creating a new sqlite store's tables, migrating it) say nothing a
+    # user acts on; its warnings and errors still show.
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    try:
+        pilot = run_pilot(
+            args.steps, args.ranks, args.run_dir, args.tracking_uri,
+            pairs=args.pair or tuple(PAIRS), seq_len=args.seq_len,
+            local_batch_size=args.local_batch_size, seed=args.seed, lr=args.lr,
+            perturb=args.perturb,
+        )  # fmt: skip
+    except OSError as error:  # a full disk or a read-only folder, writing checkpoints or the plot
+        where = f" ({error.filename})" if error.filename else ""
+        print(
+            f"pilot: could not write{where}: {error.strerror or error}; free some space or pass "
+            "--run-dir on another disk.",
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt:
+        print("pilot: interrupted; the children that finished are in MLflow.", file=sys.stderr)
+        return 130
+    return 0 if pilot.passed else 1

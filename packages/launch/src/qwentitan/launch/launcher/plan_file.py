@@ -1,0 +1,91 @@
+"""A resolved plan on disk: what `slurm` writes once and every node runs (`run --plan FILE`).
+
+The file holds the plan's inputs as resolved, not the flags that produced them: the recipe, the
+placement (instance, LNC, ranks per node, nodes), the exact torchtitan overrides every rank gets,
+the ranks' environment with where each value came from, the resume mode and restarts. A node
+loads it through `plan_from_overrides`, so torchtitan's parser builds the very config the file
+names and the plan's checks run again against this node's software; the environment is the
+file's, never re-derived from the node's shell. The plan as printed (`to_dict`) is kept beside
+them for the reader. JSON, written to a temporary sibling and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.target import get_topology
+from qwentitan.launch.launcher.plan import LaunchPlan, plan_from_overrides
+
+__all__ = ["FORMAT", "load_plan", "save_plan"]
+
+FORMAT = "qwentitan-plan/1"
+
+
+def save_plan(plan: LaunchPlan, path: str | Path) -> Path:
+    """Write `plan` to `path` (JSON), atomically."""
+    path = Path(path)
+    record = {
+        "format": FORMAT,
+        "recipe": plan.recipe,
+        "instance": plan.topology.name,
+        "lnc": plan.lnc,
+        "ranks_per_node": plan.ranks_per_node,
+        "nodes": plan.nodes,
+        "overrides": plan.overrides,
+        "env": plan.env,
+        "env_sources": plan.env_sources,
+        "resume": plan.resume,
+        "max_restarts": plan.max_restarts,
+        "plan": plan.to_dict(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from qwentitan.checkpoint.files import atomic_file  # its package imports torch, for now
+
+    with atomic_file(path) as tmp:
+        Path(tmp).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def load_plan(
+    path: str | Path, *, rdzv_endpoint: str | None = None, max_restarts: int | None = None
+) -> LaunchPlan:
+    """The plan `save_plan` wrote, checked again on this node; `rdzv_endpoint` is this job's."""
+    record = _read(Path(path))
+    overrides = list(record["overrides"])
+    # As resolved: a batch scaled with the nodes is pinned in the overrides, not scaled again.
+    pinned = "--training.global-batch-size" in overrides
+    topology = get_topology(
+        record["instance"], lnc=record["lnc"], ranks_per_node=record["ranks_per_node"]
+    )
+    return plan_from_overrides(
+        record["recipe"],
+        topology,
+        overrides,
+        nodes=int(record["nodes"]),
+        global_batch=record["plan"]["global_batch"] if pinned else None,
+        shell=env_defaults.shell(),
+        env=(dict(record["env"]), dict(record["env_sources"])),
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=record["max_restarts"] if max_restarts is None else max_restarts,
+        resume=record["resume"],
+    )
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LaunchError(f"There is no plan file {path}; write one with `slurm`.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise LaunchError(
+            f"The plan file {path} cannot be read ({error}); write it again with `slurm`."
+        ) from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise LaunchError(
+            f"{path} is not a plan file of this qwentitan ({FORMAT}); write it again with `slurm`."
+        )
+    return record

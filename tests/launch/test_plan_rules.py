@@ -1,0 +1,76 @@
+"""Every rule of a run is `resolve_plan`'s: plan, run and train refuse the same runs, in one
+sentence with exit code 2, whether a value comes from our flags or from a torchtitan override."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher import cli
+from qwentitan.launch.launcher.plan import resolve_plan
+
+
+def refusal(capsys, argv: list[str]) -> str:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    line = err.strip()
+    assert "\n" not in line and "Traceback" not in err, err
+    return line.removeprefix(f"qwentitan-launch {argv[0]}: ")
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_a_sequence_longer_than_the_model_is_refused_by_plan_as_by_train(capsys, command):
+    argv = [command, "--recipe", "tiny_dense", "--seq-len", "4096"]
+    assert refusal(capsys, argv) == (
+        "--seq-len 4096 is longer than the model's 2048 positions; pass --seq-len 2048 or less."
+    )
+
+
+def test_a_sequence_the_chunked_loss_cannot_split_is_one_sentence(capsys):
+    message = refusal(capsys, ["plan", "--recipe", "tiny_dense", "--seq-len", "7"])
+    assert message.startswith("--seq-len 7 does not split into the loss's 8 chunks")
+    assert message.endswith("pass --seq-len 8 or another multiple of 8.")
+
+
+@pytest.mark.parametrize(
+    ("override", "flag"),
+    [
+        (["--training.steps", "0"], "--training.steps 0 is out of range"),
+        (["--training.local-batch-size", "0"], "--training.local-batch-size 0 is out of range"),
+        (["--validator.freq", "0"], "--validator.freq 0 is out of range"),
+        (
+            ["--stop-after", "0"],
+            "--stop-after 0 is out of range; pass a whole number of 1 or more with --stop-after.",
+        ),
+        (["--training.global-batch-size", "0"], "--training.global-batch-size 0 is out of range"),
+    ],
+)
+def test_torchtitan_overrides_get_the_range_checks_of_our_flags(capsys, override, flag):
+    message = refusal(capsys, ["plan", "--recipe", "tiny_dense", "--", *override])
+    assert message.startswith(flag)
+
+
+def test_stop_after_must_fall_between_the_resumed_step_and_the_last(tmp_path):
+    saved = tmp_path / "checkpoint" / "step-20"
+    saved.mkdir(parents=True)
+    (saved / ".metadata").write_bytes(b"")
+    plan = dict(instance="cpu", dump_folder=str(tmp_path), resume="latest")
+    with pytest.raises(LaunchError, match=r"^--stop-after 20 is not after step 20, where the run"):
+        resolve_plan("tiny_dense", stop_after=20, **plan)
+    with pytest.raises(LaunchError, match=r"^--stop-after 40 is not before the last step 40"):
+        resolve_plan("tiny_dense", stop_after=40, **plan)
+    assert resolve_plan("tiny_dense", stop_after=21, **plan).config.stop_after == 21
+    # the same rule for the value given as a torchtitan override
+    with pytest.raises(LaunchError, match=r"^--stop-after 5 is not after step 20"):
+        resolve_plan("tiny_dense", extra_overrides=["--stop-after", "5"], **plan)
+    # a fresh run resumes nothing
+    assert resolve_plan("tiny_dense", stop_after=5, instance="cpu").config.stop_after == 5
+
+
+def test_the_device_reaches_the_ranks_as_config(capsys):
+    plan = resolve_plan("tiny_moe", instance="cpu")
+    words = plan.torchrun_args()
+    assert words[words.index("--target") + 1] == "cpu"
+    assert plan.config.target == "cpu" and plan.config.training.disable_cuda_graphs
+    assert "QWENTITAN_PLATFORM" not in plan.rank_env({})
