@@ -112,9 +112,9 @@ def test_sigkill_restarts_from_the_last_checkpoint_sigint_stops_with_one_and_res
             proc.kill()
     text = first.read_text()
     assert code == 0, text[-4000:]
-    # torchrun restarted the group once; the new ranks loaded the newest checkpoint (on the
-    # interval) and went on from the step after it.
-    assert "failed (exitcode: -9)" in text
+    # torchrun restarted the group once (its own "failed (exitcode: -9)" line is dropped by our
+    # agent); the new ranks of this fresh run loaded the newest checkpoint (on the interval) and
+    # went on from the step after it.
     loads = re.findall(r"Loading the checkpoint from \S+/step-(\d+)", text)
     assert len(loads) == 1, loads
     resumed_from = int(loads[0])
