@@ -15,6 +15,7 @@ No command deletes checkpoints: a fresh `train` gets a new folder under `outputs
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import math
 import os
@@ -133,10 +134,14 @@ def resolved(folder: Path, *, folder_flag: str) -> Path:
     """`folder` made absolute with its links followed; LaunchError for a link loop."""
     folder = folder.expanduser()
     try:
-        # strict: from Python 3.13 a non-strict resolve() returns a loop's path unresolved.
-        return folder.resolve(strict=True)
-    except FileNotFoundError:
-        return folder.resolve()  # a folder (or link target) that does not exist yet
+        try:
+            # strict: from Python 3.13 a non-strict resolve() returns a loop's path unresolved.
+            return folder.resolve(strict=True)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise
+            # not there yet, or under a file: resolved as far as it goes, named by its checks
+            return folder.resolve()
     except (OSError, RuntimeError) as error:  # RuntimeError: Python 3.11's "Symlink loop"
         raise LaunchError(
             f"{folder} is a symbolic link that never reaches a folder ({error}); point it at a "
