@@ -142,6 +142,45 @@ def test_every_byte_is_copied_in_the_kernel_both_ways(
     assert all(helpers.bitwise_equal(hf[k], back[k]) for k in hf)
 
 
+def test_copies_into_one_shard_take_turns(make_hf, helpers, tmp_path, monkeypatch):
+    """Threads writing one destination file contend for its inode lock and spin in the kernel:
+    to-hf's copies into one shard never overlap, and the export is still exact."""
+    import os
+    import threading
+    import time
+
+    from qwentitan.checkpoint import safetensors_io
+
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 600)  # many pieces
+    monkeypatch.setattr(convert, "THREADS", 4)
+    src = make_hf(moe=True, tied=False)
+    to_dcp(src, tmp_path / "dcp")
+    active: dict[str, int] = {}
+    most = {"per_file": 0, "copies": 0}
+    lock = threading.Lock()
+    real_copy = safetensors_io.copy_range
+
+    def copy_range(src_file, dst_fd, *args):
+        target = os.readlink(f"/proc/self/fd/{dst_fd}")
+        with lock:
+            active[target] = active.get(target, 0) + 1
+            most["per_file"] = max(most["per_file"], active[target])
+            most["copies"] += 1
+        time.sleep(0.005)  # long enough for another thread to arrive if it may
+        try:
+            real_copy(src_file, dst_fd, *args)
+        finally:
+            with lock:
+                active[target] -= 1
+
+    monkeypatch.setattr(safetensors_io, "copy_range", copy_range)
+    to_hf(tmp_path / "dcp", tmp_path / "back")
+
+    assert most["copies"] > 8 and most["per_file"] == 1
+    before, after = helpers.load_hf(src), helpers.load_hf(tmp_path / "back")
+    assert all(helpers.bitwise_equal(before[k], after[k]) for k in before)
+
+
 def test_tied_lm_head_is_recreated_in_dcp_and_dropped_on_export(make_hf, helpers, tmp_path):
     src = make_hf(moe=False, tied=True)
     to_dcp(src, tmp_path / "dcp")

@@ -12,7 +12,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from qwentitan.checkpoint import convert, to_dcp, to_hf, verify
 from qwentitan.checkpoint.cli import main
-from qwentitan.checkpoint.logits import RELATIVE_TOLERANCE, load_titan_model, prompt
+from qwentitan.checkpoint.logits import (
+    RELATIVE_TOLERANCE,
+    load_titan_model,
+    prompt,
+    titan_model_config,
+)
 
 COMMON = dict(
     vocab_size=96,
@@ -74,6 +79,33 @@ def test_dcp_loads_into_torchtitan_qwen3_with_transformers_logits(converted):
     assert (got - expected).abs().max() <= tolerance
     # A model that loaded nothing would not be this close: the weights really came from the DCP.
     assert expected.abs().max() > 100 * tolerance
+
+
+def test_dcp_load_equals_torchtitans_own_hf_import_bit_for_bit(converted):
+    """The trainer's DCP load of to-dcp's output builds the very model torchtitan builds from
+    the HF folder itself (its Qwen3StateDictAdapter.from_hf): identical logits, bit for bit.
+    Against transformers' Qwen3 only float32 rounding can differ, as the test above allows:
+    two implementations of one model do not round alike."""
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    _, root, _ = converted
+    config_file = root / "hf" / "config.json"
+    config = json.loads(config_file.read_text())
+    from_dcp = load_titan_model(root / "dcp", config, config_file)
+
+    model_config = titan_model_config(config, config_file)
+    model = model_config.build()
+    model.init_states(buffer_device=None)
+    adapter = Qwen3StateDictAdapter(model_config, str(root / "hf"))
+    missing, unexpected = model.load_state_dict(
+        adapter.from_hf(_tensors(root / "hf")), strict=False
+    )
+    assert not unexpected
+    # torchtitan's load-balancing buffer has no HF counterpart; both routes start it at zero.
+    assert all(k.endswith("expert_bias_E") for k in missing)
+    tokens = prompt(COMMON["vocab_size"])
+    with torch.no_grad():
+        assert torch.equal(from_dcp(tokens), model.eval()(tokens))
 
 
 def test_hf_dcp_hf_is_bitwise_identical_and_reloads(converted):

@@ -8,7 +8,7 @@ from the file into the destination tensor with `readinto` at the offset the
 safetensors header gives, so nothing is memory-mapped: a memory map keeps every page it
 touched resident until it is closed, which would make peak RSS the size of the model. Writes
 lay out each shard's header first (all shapes are known up front) and then fill tensors in at
-their offsets from any thread, so independent tensors are written concurrently.
+their offsets from any thread; writes into one shard take turns (see `ShardedWriter`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,7 +262,14 @@ def parse_size(text: str | int) -> int:
 
 
 class ShardedWriter:
-    """Safetensors shards laid out up front, filled tensor by tensor from any thread."""
+    """Safetensors shards laid out up front, filled tensor by tensor from any thread.
+
+    Writes into one shard take turns under a lock per shard, while different shards fill in
+    parallel. A file system writes one file under one inode lock anyway (ext4 and XFS take it
+    for every buffered write), and threads contending for it spin in the kernel: with 4 threads
+    on one 3.4 GB shard, `perf` put 15% of to-hf's samples in `rwsem_spin_on_owner` and its
+    system time at 2-4x that of one thread, for no gain in wall time.
+    """
 
     def __init__(
         self,
@@ -281,6 +289,7 @@ class ShardedWriter:
         count = len(groups)
         self.where: dict[str, tuple[int, int, int]] = {}  # name -> (fd, offset, nbytes)
         self._fds: list[int] = []
+        self._locks: dict[int, threading.Lock] = {}
         weight_map: dict[str, str] = {}
         total = 0
         for i, group in enumerate(groups):
@@ -299,6 +308,7 @@ class ShardedWriter:
             raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
             fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             self._fds.append(fd)
+            self._locks[fd] = threading.Lock()
             os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
             os.ftruncate(fd, 8 + len(raw) + offset)
             for tname, dtype, shape in group:
@@ -320,9 +330,10 @@ class ShardedWriter:
         tensor = tensor.contiguous()
         view = byte_view(tensor)
         assert offset + len(view) <= nbytes, name
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], start + offset + done)
+        with self._locks[fd]:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], start + offset + done)
 
     def follows(self, name: str, previous: str) -> bool:
         """Whether `name`'s bytes start where `previous`'s end, in the same shard."""
@@ -335,7 +346,8 @@ class ShardedWriter:
         place on (possibly on into the tensors that follow it in the shard), in the kernel."""
         fd, start, _ = self.where[name]
         assert start + at + nbytes <= os.fstat(fd).st_size, name
-        copy_range(src, fd, offset, nbytes, start + at, "re-save it")
+        with self._locks[fd]:
+            copy_range(src, fd, offset, nbytes, start + at, "re-save it")
 
     def close(self, sync: bool = True) -> None:
         for fd in self._fds:
