@@ -142,6 +142,46 @@ def test_every_byte_is_copied_in_the_kernel_both_ways(
     assert all(helpers.bitwise_equal(hf[k], back[k]) for k in hf)
 
 
+@pytest.mark.parametrize("dtype", [None, "float32"], ids=["copied", "cast"])
+def test_writeback_starts_for_every_tensor_byte(make_hf, helpers, tmp_path, monkeypatch, dtype):
+    """Each range written is handed to the kernel's writeback at once, so the final sync finds
+    little left: every data byte of every output file, whether copied or cast, exactly once."""
+    import os
+
+    from qwentitan.checkpoint import disk, safetensors_io
+
+    started: dict[str, list[tuple[int, int]]] = {}
+    real = disk.start_writeback
+
+    def start_writeback(fd, offset, nbytes):
+        started.setdefault(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), []).append(
+            (offset, offset + nbytes)
+        )
+        real(fd, offset, nbytes)
+
+    monkeypatch.setattr(disk, "start_writeback", start_writeback)
+    monkeypatch.setattr(safetensors_io, "start_writeback", start_writeback)
+    src = make_hf(moe=True, tied=False, dtype=torch.bfloat16)
+    to_dcp(src, tmp_path / "dcp")
+    model_bytes = sum(t.nbytes for t in helpers.load_hf(src).values())
+    assert sum(stop - start for ranges in started.values() for start, stop in ranges) == (
+        model_bytes
+    )
+
+    started.clear()
+    to_hf(tmp_path / "dcp", tmp_path / "back", dtype=dtype, max_shard_size="4KB")
+    shards = sorted((tmp_path / "back").glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(started) == [s.name for s in shards]
+    for shard in shards:
+        data_start = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+        ranges = sorted(started[shard.name])
+        covered = data_start
+        for start, stop in ranges:  # back to back, no gap, no byte twice
+            assert start == covered, shard.name
+            covered = stop
+        assert covered == shard.stat().st_size, shard.name
+
+
 def test_copies_into_one_shard_take_turns(make_hf, helpers, tmp_path, monkeypatch):
     """Threads writing one destination file contend for its inode lock and spin in the kernel:
     to-hf's copies into one shard never overlap, and the export is still exact."""

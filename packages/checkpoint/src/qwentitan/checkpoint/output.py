@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import fnmatch
 import os
@@ -28,6 +26,7 @@ from rich.progress import (
 )
 
 from qwentitan.checkpoint.dcp_metadata import METADATA
+from qwentitan.checkpoint.disk import libc
 from qwentitan.checkpoint.errors import CheckpointError
 from qwentitan.checkpoint.files import disk_room
 from qwentitan.checkpoint.safetensors_io import INDEX, SINGLE
@@ -294,15 +293,14 @@ def _sync_tree(folder: Path) -> None:
     """Make everything under `folder` durable before it is renamed into place.
 
     One syncfs for the whole file system (what `cp` + `sync` pays) instead of an fsync, and a
-    journal commit, per file: a DCP folder holds one file per tensor.
+    journal commit, per file: a DCP folder holds one file per tensor. The writers started each
+    range's writeback as they wrote it (`disk.start_writeback`), so most is on disk already.
     """
+    syncfs = getattr(libc(), "syncfs", None)
     fd = os.open(folder, os.O_RDONLY)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if libc.syncfs(fd) == 0:
+        if syncfs is not None and syncfs(fd) == 0:
             return
-    except (OSError, AttributeError):
-        pass
     finally:
         os.close(fd)
     for path in sorted(folder.rglob("*")):

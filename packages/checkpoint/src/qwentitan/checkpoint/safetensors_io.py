@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qwentitan.checkpoint.disk import copy_range, nbytes_of
+from qwentitan.checkpoint.disk import copy_range, nbytes_of, start_writeback
 from qwentitan.checkpoint.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -334,6 +334,7 @@ class ShardedWriter:
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], start + offset + done)
+            start_writeback(fd, start + offset, done)
 
     def follows(self, name: str, previous: str) -> bool:
         """Whether `name`'s bytes start where `previous`'s end, in the same shard."""
