@@ -11,7 +11,9 @@ torchtitan nor transformers. What torchtitan does beyond renaming:
   `moe.routed_experts.inner_experts.w1_EFD` = stack of `experts.{e}.gate_proj.weight` (E, F, D),
   `w3_EFD` = stack of `up_proj`, `w2_EDF` = stack of `down_proj` (E, D, F).
 - The MoE load-balancing buffer `moe.expert_bias_E` (float32 zeros, E) is part of torchtitan's
-  state dict but has no HF counterpart: it is written as zeros and dropped on export.
+  state dict but has no HF counterpart: it is written as zeros and dropped on export. A DCP
+  without it (a model trained with load balancing off, as qwentitan's MoE models are) is
+  exported and verified all the same; torchtitan ignores it when its model has none.
 - `lm_head.weight` is always in torchtitan's state dict; when the config ties embeddings it is
   the embedding matrix.
 """
