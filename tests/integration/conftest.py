@@ -1,4 +1,5 @@
-"""One short training run shared by the integration tests that only need its results.
+"""One short training run shared by the integration tests that only need its results, and
+`folder_tensors`, the safetensors library's own reading of a Hugging Face folder.
 
 `trained_tiny` trains `tiny_dense` once per session on two CPU ranks through
 `qwentitan-launch train` (called in-process: the launcher's own process tree is what
@@ -14,11 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 # Enough for preflight's initialisation check (loaded loss <= 0.8 x a random head's ~11.9): the
 # default tiny run is at ~8.2 by step 10 on two ranks.
 TRAINED_STEPS = 12
 TRAINED_EXPERIMENT = "trained-tiny"
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's shards, as the safetensors library loads them."""
+    out: dict[str, torch.Tensor] = {}
+    for file in folder.glob("*.safetensors"):
+        out |= load_file(file)
+    return out
 
 
 def _free_port() -> int:

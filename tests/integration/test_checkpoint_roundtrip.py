@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from qwentitan.checkpoint import convert, to_dcp, to_hf, verify
@@ -18,6 +17,8 @@ from qwentitan.checkpoint.logits import (
     prompt,
     titan_model_config,
 )
+
+from .conftest import folder_tensors
 
 COMMON = dict(
     vocab_size=96,
@@ -41,13 +42,6 @@ KINDS = {
         tie_word_embeddings=False,
     ),
 }
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in folder.glob("*.safetensors"):
-        out |= load_file(file)
-    return out
 
 
 @pytest.fixture(scope="module", params=[*KINDS, "dense-tied-chunked", "moe-chunked"])
@@ -98,7 +92,7 @@ def test_dcp_load_equals_torchtitans_own_hf_import_bit_for_bit(converted):
     model.init_states(buffer_device=None)
     adapter = Qwen3StateDictAdapter(model_config, str(root / "hf"))
     missing, unexpected = model.load_state_dict(
-        adapter.from_hf(_tensors(root / "hf")), strict=False
+        adapter.from_hf(folder_tensors(root / "hf")), strict=False
     )
     assert not unexpected
     # torchtitan's load-balancing buffer has no HF counterpart; both routes start it at zero.
@@ -111,7 +105,7 @@ def test_dcp_load_equals_torchtitans_own_hf_import_bit_for_bit(converted):
 def test_hf_dcp_hf_is_bitwise_identical_and_reloads(converted):
     _, root, expected = converted
     to_hf(root / "dcp", root / "back", max_shard_size="40KB", overwrite=True)
-    before, after = _tensors(root / "hf"), _tensors(root / "back")
+    before, after = folder_tensors(root / "hf"), folder_tensors(root / "back")
     assert before.keys() == after.keys()
     for name in before:
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), (

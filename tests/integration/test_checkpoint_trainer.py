@@ -4,20 +4,14 @@ the trainer then saves exports back to the Hugging Face weights it started from,
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from qwentitan.checkpoint import to_dcp, to_hf
 from qwentitan.modeling import flavor_to_hf_config
 
+from .conftest import folder_tensors
+
 pytestmark = pytest.mark.slow
-
-
-def _tensors(folder):
-    out = {}
-    for file in folder.glob("*.safetensors"):
-        out |= load_file(file)
-    return out
 
 
 @pytest.mark.parametrize(
@@ -43,7 +37,7 @@ def test_trainer_starts_from_to_dcp_output(recipe, flavor, tmp_path, train_in_pr
 
     # The MoE model trains without torchtitan's expert_bias_E, so this DCP has none.
     to_hf(saved, tmp_path / "back", config=tmp_path / "hf")
-    before, after = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    before, after = folder_tensors(tmp_path / "hf"), folder_tensors(tmp_path / "back")
     assert before.keys() == after.keys()
     for name, value in before.items():
         assert value.dtype == after[name].dtype and torch.equal(value, after[name]), name

@@ -62,7 +62,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
     `cp` fills the page cache and `sync` then writes it all while nothing else happens; started
     range by range, the disk writes while the next ranges are copied, and the final sync finds
-    little left (to-hf: syncfs 3-4.5 s -> ~1 s on the development VM, whole command ~1.5 s
+    little left (development VM: syncfs 3.5-6.7 s -> 0.6-2.1 s, each command 1.5-2 s
     faster). Only a hint: durability still comes from that final sync, so a kernel without
     sync_file_range (not Linux) or a refusal changes nothing else.
     """
