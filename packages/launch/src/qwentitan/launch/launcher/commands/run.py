@@ -80,12 +80,13 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     from qwentitan.launch.launcher.run_folder import check_checkpoints, check_free_disk
-    from qwentitan.launch.runtime.preemption import supervise
+    from qwentitan.launch.runtime.preemption import STOPPED_EXIT, supervise
 
     check_host(plan)
     check_checkpoints(plan, folder_flag="--dump-folder", resume_flag="--resume latest")
     check_free_disk(plan, folder_flag="--dump-folder")
-    return supervise(plan.launch_argv(), plan.rank_env())
+    # A stop on a signal (checkpoint saved) is not success: the scheduler may start it again.
+    return supervise(plan.launch_argv(), plan.rank_env(), stopped_exit=STOPPED_EXIT)
 
 
 def check_host(plan: LaunchPlan) -> None:
