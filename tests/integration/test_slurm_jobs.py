@@ -1,0 +1,262 @@
+"""The sbatch script `qwentitan-launch slurm` writes, submitted to a real SLURM: the two-node
+cluster of scripts/slurm_cluster.sh (Debian's slurm-wlm on this machine; nodes n1 and n2 of one
+CPU each, partition `debug`). Without a cluster that answers `sinfo`, every test here skips.
+
+The jobs are shared, since each costs a start of torch on every node:
+- `two_node_job`: tiny_dense on 2 nodes x 1 rank, 4 steps, written in one folder and submitted
+  from another with `sbatch --export=NONE`;
+- `chains`: on one node each, at the same time: a 10-step job stopped by `scancel
+  --signal=USR1` after step 3, then the same script submitted again; and a 6-step job whose time
+  limit is near at once (`--time 4 --grace-seconds 230`: SLURM signals it in its first 30 s), so
+  its script requeues it after step 1; the test then gives the requeued run a longer limit, as a
+  user would, and it resumes to the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from qwentitan.launch.launcher.cli import main as launch_main
+from qwentitan.launch.launcher.resume import saved_steps
+
+pytestmark = pytest.mark.slow
+
+PARTITION = "debug"
+STOPPED_EXIT = 75
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
+JOB_TIMEOUT_S = 900.0  # a job on this 2-core machine under load; normally 1-2 min
+_STEP_LINE = re.compile(r"(?<!validate )step:\s+(\d+)\s+loss")
+_CWD_LOCK = threading.Lock()  # `slurm` writes relative to the working folder
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    try:
+        result = subprocess.run(
+            ["sinfo", "-h", "-p", PARTITION, "-o", "%D"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as error:
+        pytest.skip(f"no SLURM here ({error}); start one with scripts/slurm_cluster.sh up")
+    if result.returncode != 0 or result.stdout.strip() != "2":
+        pytest.skip(
+            f"no two-node SLURM partition {PARTITION!r} answers (sinfo: "
+            f"{(result.stderr or result.stdout).strip()[:200]}); start one with "
+            "scripts/slurm_cluster.sh up"
+        )
+
+
+def write_script(workdir: Path, *args: str) -> Path:
+    """`qwentitan-launch slurm ... -o job.sbatch`, run in `workdir` (in this process)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with _CWD_LOCK, contextlib.chdir(workdir):
+        code = launch_main(
+            ["slurm", "--recipe", "tiny_dense", "--ranks-per-node", "1", "--partition", PARTITION,
+             "--dump-folder", "D", "-o", "job.sbatch", *args, "--", "--validator.no-enable"]
+        )  # fmt: skip
+    assert code == 0
+    return workdir / "job.sbatch"
+
+
+def sbatch(script: Path, cwd: Path, *options: str) -> int:
+    result = subprocess.run(
+        ["sbatch", "--parsable", *options, str(script)],
+        cwd=cwd, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "QWENTITAN_MLFLOW": "off"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.strip().split(";")[0])
+
+
+def job(job_id: int) -> dict[str, str]:
+    """`scontrol show job` as a dict (JobState, ExitCode, Restarts, ...)."""
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", str(job_id)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def scontrol(*args: str) -> None:
+    subprocess.run(["scontrol", *args], capture_output=True, timeout=60, check=True)
+
+
+def wait_for(what: str, ready: Callable[[], bool], job_id: int) -> None:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not ready():
+        state = job(job_id)
+        if state.get("JobState") in ENDED and not ready():
+            raise AssertionError(f"job {job_id} ended ({state}) before {what}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what} in job {job_id}"
+        time.sleep(0.5)
+
+
+def wait_ended(job_id: int) -> dict[str, str]:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (state := job(job_id))["JobState"] not in ENDED:
+        assert time.monotonic() < deadline, f"timed out waiting for job {job_id}: {state}"
+        time.sleep(1)
+    return state
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    state: dict[str, str]
+    workdir: Path
+    submitted_from: Path | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "slurm-logs" / f"qwentitan-tiny_dense-{self.id}.out"
+
+    def text(self, node: int = 0) -> str:
+        """The job's log (node 0's output), or node `node`'s beside it."""
+        log = self.log if node == 0 else self.log.with_name(f"{self.log.stem}.node{node}.out")
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    def steps(self) -> list[int]:
+        return [int(n) for n in _STEP_LINE.findall(self.text())]
+
+    @property
+    def checkpoints(self) -> list[int]:
+        return saved_steps(self.workdir / "D" / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def two_node_job(cluster, tmp_path_factory) -> Job:
+    workdir = tmp_path_factory.mktemp("two-nodes")
+    script = write_script(workdir, "--nodes", "2", "--steps", "4")
+    elsewhere = tmp_path_factory.mktemp("submitted-from")
+    job_id = sbatch(script, elsewhere, "--export=NONE")
+    return Job(job_id, wait_ended(job_id), workdir, elsewhere)
+
+
+def test_a_two_node_job_completes_at_the_first_sbatch_from_another_folder(two_node_job):
+    """The log folder and the working folder are the script's, not where sbatch runs; with
+    --export=NONE the job has none of the caller's environment and still starts qwentitan."""
+    assert two_node_job.state["JobState"] == "COMPLETED", two_node_job.text()[-3000:]
+    assert two_node_job.state["ExitCode"] == "0:0"
+    assert two_node_job.checkpoints == [4]
+    assert two_node_job.steps() == [1, 2, 3, 4]  # each once: one node's rank 0 in this log
+    assert not list(two_node_job.submitted_from.iterdir())  # nothing where sbatch ran
+    # QWENTITAN_MLFLOW=off was in sbatch's environment: under --export=NONE the ranks did not get
+    # it, and rank 0 (on either node) logged to MLflow
+    both = two_node_job.text() + two_node_job.text(node=1)
+    assert f"logged to sqlite:///{two_node_job.workdir}/mlflow.db" in both
+
+
+def test_the_log_holds_each_line_once_without_colour(two_node_job):
+    text, node1 = two_node_job.text(), two_node_job.text(node=1)
+    assert "\x1b[" not in text + node1
+    assert text.count("Training completed") == 1
+    # the second node's own output is kept beside the job's log, each labelled by global rank
+    assert re.search(r"step:\s+4\s+loss", node1)
+    ranks = [set(re.findall(r"^\[rank(\d+)\]:", log, flags=re.M)) for log in (text, node1)]
+    assert sorted(ranks, key=sorted) == [{"0"}, {"1"}]
+    # the rendezvous: the first node's SLURM address (NodeAddr) and a port from the job id
+    assert f"--rdzv-endpoint=127.0.0.1:{29500 + two_node_job.id % 1000} " in text
+
+
+@dataclass(frozen=True)
+class Chains:
+    stopped: Job  # scancel --signal=USR1 after step 3
+    first_log: str  # its log as it was when it ended
+    resubmitted: Job  # the same script again
+    time_limited: Job  # requeued by its script, then resumed
+
+
+def usr1_chain(root: Path) -> tuple[Job, str, Job]:
+    workdir = root / "usr1"
+    script = write_script(workdir, "--nodes", "1", "--steps", "10")
+    first = sbatch(script, root)
+    probe = Job(first, {}, workdir)
+    wait_for("step 3", lambda: 3 in probe.steps(), first)
+    subprocess.run(["scancel", "--signal=USR1", str(first)], check=True, timeout=60)
+    stopped = Job(first, wait_ended(first), workdir)
+    first_log = stopped.text()
+    second = sbatch(script, root)
+    return stopped, first_log, Job(second, wait_ended(second), workdir)
+
+
+def time_limit_chain(root: Path) -> Job:
+    workdir = root / "time-limit"
+    script = write_script(
+        workdir, "--nodes", "1", "--steps", "6", "--time", "4", "--grace-seconds", "230"
+    )
+    job_id = sbatch(script, root)
+    wait_for("the requeue", lambda: int(job(job_id).get("Restarts", 0)) >= 1, job_id)
+    # The requeued run would be signalled at once too, and stop where it resumed: not requeued.
+    scontrol("update", f"JobId={job_id}", "TimeLimit=30")
+    return Job(job_id, wait_ended(job_id), workdir)
+
+
+@pytest.fixture(scope="module")
+def chains(cluster, tmp_path_factory) -> Chains:
+    """Both chains at once, one on each node (each job takes one node's only CPU)."""
+    root = tmp_path_factory.mktemp("chains")
+    results: dict[str, object] = {}
+
+    def run(name: str, chain: Callable[[Path], object]) -> None:
+        try:
+            results[name] = chain(root)
+        except BaseException as error:  # re-raised below, in the test's thread
+            results[name] = error
+
+    threads = [
+        threading.Thread(target=run, args=("usr1", usr1_chain)),
+        threading.Thread(target=run, args=("limit", time_limit_chain)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for value in results.values():
+        if isinstance(value, BaseException):
+            raise value
+    stopped, first_log, resubmitted = results["usr1"]  # type: ignore[misc]
+    return Chains(stopped, first_log, resubmitted, results["limit"])  # type: ignore[arg-type]
+
+
+def test_usr1_stops_with_a_checkpoint_and_no_requeue(chains):
+    stopped = chains.stopped
+    assert stopped.state["ExitCode"] == f"{STOPPED_EXIT}:0", chains.first_log[-3000:]
+    assert stopped.state["Restarts"] == "0"
+    last = stopped.steps()[-1]
+    assert 3 <= last < 10
+    assert f"stopped by a signal at step {last} of 10, checkpoint saved" in chains.first_log
+
+
+def test_resubmitting_continues_to_the_last_step_and_keeps_the_first_log(chains):
+    stopped, again = chains.stopped, chains.resubmitted
+    assert again.state["JobState"] == "COMPLETED", again.text()[-3000:]
+    assert again.state["ExitCode"] == "0:0"
+    last = stopped.steps()[-1]
+    assert again.steps() == list(range(last + 1, 11))
+    assert again.checkpoints[-1] == 10 and last in again.checkpoints
+    assert stopped.text() == chains.first_log  # the first job's log is its own, kept
+
+
+def test_a_time_limit_stop_is_requeued_and_resumed_to_completion(chains):
+    limited = chains.time_limited
+    text = limited.text()
+    assert limited.state["JobState"] == "COMPLETED", text[-3000:]
+    assert limited.state["ExitCode"] == "0:0" and limited.state["Restarts"] == "1"
+    # both runs' lines, in one log (--open-mode=append)
+    run1, run2 = re.split(r"^qwentitan: job \d+, run 2,", text, flags=re.M)
+    assert f"qwentitan: job {limited.id}, run 1," in run1
+    stopped_at = [int(n) for n in _STEP_LINE.findall(run1)][-1]
+    assert stopped_at < 6
+    assert f"stopped for the time limit at step {stopped_at} of 6; requeueing" in run1
+    assert [int(n) for n in _STEP_LINE.findall(run2)] == list(range(stopped_at + 1, 7))
+    assert limited.checkpoints[-1] == 6
