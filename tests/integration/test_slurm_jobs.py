@@ -5,8 +5,8 @@ CPU each, partition `debug`). Without a cluster that answers `sinfo`, every test
 The jobs are shared, since each costs a start of torch on every node:
 - `two_node_job`: tiny_dense on 2 nodes x 1 rank, 4 steps, written in one folder and submitted
   from another with `sbatch --export=NONE`;
-- `chains`: on one node each, at the same time: a 10-step job stopped by `scancel
-  --signal=USR1` after step 3, then the same script submitted again; and a 6-step job whose time
+- `chains`: on one node each, at the same time: an 8-step job stopped by `scancel
+  --signal=USR1` after step 3, then the same script submitted again; and a 5-step job whose time
   limit is near at once (`--time 4 --grace-seconds 230`: SLURM signals it in its first 30 s), so
   its script requeues it after step 1; the test then gives the requeued run a longer limit, as a
   user would, and it resumes to the end.
@@ -178,7 +178,7 @@ class Chains:
 
 def usr1_chain(root: Path) -> tuple[Job, str, Job]:
     workdir = root / "usr1"
-    script = write_script(workdir, "--nodes", "1", "--steps", "10")
+    script = write_script(workdir, "--nodes", "1", "--steps", "8")
     first = sbatch(script, root)
     probe = Job(first, {}, workdir)
     wait_for("step 3", lambda: 3 in probe.steps(), first)
@@ -192,7 +192,7 @@ def usr1_chain(root: Path) -> tuple[Job, str, Job]:
 def time_limit_chain(root: Path) -> Job:
     workdir = root / "time-limit"
     script = write_script(
-        workdir, "--nodes", "1", "--steps", "6", "--time", "4", "--grace-seconds", "230"
+        workdir, "--nodes", "1", "--steps", "5", "--time", "4", "--grace-seconds", "230"
     )
     job_id = sbatch(script, root)
     wait_for("the requeue", lambda: int(job(job_id).get("Restarts", 0)) >= 1, job_id)
@@ -233,8 +233,8 @@ def test_usr1_stops_with_a_checkpoint_and_no_requeue(chains):
     assert stopped.state["ExitCode"] == f"{STOPPED_EXIT}:0", chains.first_log[-3000:]
     assert stopped.state["Restarts"] == "0"
     last = stopped.steps()[-1]
-    assert 3 <= last < 10
-    assert f"stopped by a signal at step {last} of 10, checkpoint saved" in chains.first_log
+    assert 3 <= last < 8
+    assert f"stopped by a signal at step {last} of 8, checkpoint saved" in chains.first_log
 
 
 def test_resubmitting_continues_to_the_last_step_and_keeps_the_first_log(chains):
@@ -242,8 +242,8 @@ def test_resubmitting_continues_to_the_last_step_and_keeps_the_first_log(chains)
     assert again.state["JobState"] == "COMPLETED", again.text()[-3000:]
     assert again.state["ExitCode"] == "0:0"
     last = stopped.steps()[-1]
-    assert again.steps() == list(range(last + 1, 11))
-    assert again.checkpoints[-1] == 10 and last in again.checkpoints
+    assert again.steps() == list(range(last + 1, 9))
+    assert again.checkpoints[-1] == 8 and last in again.checkpoints
     assert stopped.text() == chains.first_log  # the first job's log is its own, kept
 
 
@@ -256,7 +256,7 @@ def test_a_time_limit_stop_is_requeued_and_resumed_to_completion(chains):
     run1, run2 = re.split(r"^qwentitan: job \d+, run 2,", text, flags=re.M)
     assert f"qwentitan: job {limited.id}, run 1," in run1
     stopped_at = [int(n) for n in _STEP_LINE.findall(run1)][-1]
-    assert stopped_at < 6
-    assert f"stopped for the time limit at step {stopped_at} of 6; requeueing" in run1
-    assert [int(n) for n in _STEP_LINE.findall(run2)] == list(range(stopped_at + 1, 7))
-    assert limited.checkpoints[-1] == 6
+    assert stopped_at < 5
+    assert f"stopped for the time limit at step {stopped_at} of 5; requeueing" in run1
+    assert [int(n) for n in _STEP_LINE.findall(run2)] == list(range(stopped_at + 1, 6))
+    assert limited.checkpoints[-1] == 5

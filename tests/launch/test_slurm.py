@@ -127,7 +127,8 @@ def test_torchrun_line_of_each_node_and_environment(two_node_plan):
     ]
     # the environment travels in the plan file; the script only shows it
     assert [line for line in script.splitlines() if line.startswith("export ")] == [
-        'export QWENTITAN_RDZV_ID="qwentitan-$SLURM_JOB_ID"'
+        'export QWENTITAN_RDZV_ID="qwentitan-$SLURM_JOB_ID"',
+        "export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'",  # global, not local
     ]
     env = two_node_plan.env
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and "NEURON_CC_FLAGS" not in env
