@@ -41,6 +41,7 @@ def two_node_plan():
             max_restarts=2,
             steps=10,
             dump_folder="run",
+            extra_overrides=["--checkpoint.enable"],  # a stop is resumable, so requeued
         )
     finally:
         plan_module.RECIPES_MODULE = recipes
@@ -177,7 +178,8 @@ def test_values_an_sbatch_line_cannot_carry_are_refused(two_node_plan, tmp_path)
 
 
 # The body under bash, with stubs: `scontrol` names two nodes and the first one's NodeAddr (and
-# records a requeue), `srun` runs its command as node 0, and the launcher records its arguments,
+# records a requeue), `srun` runs its command as node 0 (passing USR1 on to all of its
+# processes, as slurmstepd does), and the launcher records its arguments,
 # waits for USR1 where the case says so, saves a step and exits with the case's code.
 _LAUNCHER = """\
 import os, pathlib, signal, sys, time
@@ -209,8 +211,14 @@ def _run_under_fake_slurm(tmp_path, plan, *, code, save="", signal_to=None, save
         '  requeue*) echo "REQUEUE $2" >> "$LOG" ;;\n'
         "esac\n"
     )
-    (bin_dir / "srun").write_text(
-        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n'
+    (bin_dir / "srun").write_text(  # like slurmstepd, it signals every process of the step
+        "#!/bin/bash\n"
+        'while [[ "$1" == --* ]]; do shift; done\n'
+        'SLURM_NODEID=0 setsid "$@" & task=$!\n'
+        "trap 'kill -USR1 -- -$task' USR1\n"
+        'code=0; wait "$task" || code=$?\n'
+        'while (( code > 128 )) && kill -0 "$task"; do code=0; wait "$task" || code=$?; done\n'
+        'exit "$code"\n'
     )
     launcher = bin_dir / "launcher.py"
     launcher.write_text(_LAUNCHER)
@@ -280,6 +288,14 @@ def test_a_time_limit_signal_during_the_last_step_ends_the_job_well(tmp_path, tw
         tmp_path, two_node_plan, code=STOPPED_EXIT, save="10", saved=[2], signal_to="script"
     )
     assert code == 0 and not [line for line in log if "REQUEUE" in line]
+
+
+def test_a_failure_after_the_time_limit_signal_is_not_requeued(tmp_path, two_node_plan):
+    code, out, log = _run_under_fake_slurm(
+        tmp_path, two_node_plan, code=2, save="5", saved=[2], signal_to="script"
+    )
+    assert code == 2 and not [line for line in log if "REQUEUE" in line]
+    assert "stopped" not in out and "requeue" not in out
 
 
 def test_a_usr1_to_the_step_stops_it_without_a_requeue(tmp_path, two_node_plan):

@@ -16,7 +16,9 @@ What a real SLURM (22.05, tests/integration/test_slurm_jobs.py) asks of the scri
 - `--requeue` never applies to a time limit: SLURM signals the script (`B:USR1`) `grace` seconds
   ahead, the script passes USR1 on to the ranks (checkpoint at the next step) and, when they
   stopped (`STOPPED_EXIT`) with a new checkpoint short of the last step, requeues the job
-  itself (`scontrol requeue`); `--open-mode=append` keeps each run's lines in the one log.
+  itself (`scontrol requeue`); `--open-mode=append` keeps each run's lines in the one log. srun
+  sees a stop as exit 0 (its `--kill-on-bad-exit` would otherwise end the other nodes as the
+  first one stops); the checkpoint folder tells a stop from the end.
   `scancel --signal=USR1 JOB` reaches the ranks only: the same checkpoint, no requeue.
 """
 
@@ -211,9 +213,13 @@ def _step(plan: LaunchPlan, o: SlurmOptions, workdir: str, plan_file: str) -> li
         "# Lines are labelled with the global rank: c10d orders the ranks by node address and",
         "# process id, so rank 0 (MLflow, the summary) may be on another node than node 0.",
         "export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'",
+        f"# A stop (exit {STOPPED_EXIT}) is exit 0 to srun: its --kill-on-bad-exit would end the "
+        "other nodes",
+        "# as the first one stops. The checkpoint folder tells a stop from the end (below).",
         f"srun --export=ALL --nodes={plan.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
         '  bash -c \'trap "" USR1; [[ $SLURM_NODEID == 0 ]] || '
-        'exec >>"$0.node$SLURM_NODEID.out" 2>&1; exec "$@"\' \\',
+        f'exec >>"$0.node$SLURM_NODEID.out" 2>&1; "$@"; c=$?; exit $((c == {STOPPED_EXIT} ? 0 : c))\' '
+        "\\",
         f"  {node_log} \\",
         f"  {launcher} {shlex.join(['run', '--plan', plan_file])} \\",
         '  --rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT" &',
@@ -226,22 +232,27 @@ def _step(plan: LaunchPlan, o: SlurmOptions, workdir: str, plan_file: str) -> li
 
 
 def _requeue(plan: LaunchPlan) -> list[str]:
-    """After the step: requeue a time-limit stop that saved a new step short of the last."""
+    """After the step: a stop left a checkpoint short of the last step; the time limit's is
+    requeued when it saved a new step."""
+    if not plan.config.checkpoint.enable:
+        return ["", "# No checkpoints in this plan: a stop cannot be resumed.", 'exit "$CODE"', ""]
+    steps = plan.steps
     return [
         "",
         "TO_STEP=$(saved_step)",
-        f"if (( CODE == {STOPPED_EXIT} )) && [[ -n $TIME_UP ]]; then",
-        f"  (( ${{TO_STEP:-0}} < {plan.steps} )) || exit 0  # the last step was saved meanwhile",
-        "  if (( ${TO_STEP:-0} > ${FROM_STEP:-0} )); then",
-        f'    echo "qwentitan: stopped for the time limit at step $TO_STEP of {plan.steps}; '
+        f"if (( CODE == 0 && ${{TO_STEP:-0}} < {steps} )); then",
+        "  if [[ -n $TIME_UP ]] && (( ${TO_STEP:-0} > ${FROM_STEP:-0} )); then",
+        f'    echo "qwentitan: stopped for the time limit at step $TO_STEP of {steps}; '
         'requeueing job $SLURM_JOB_ID to continue."',
         '    exec scontrol requeue "$SLURM_JOB_ID"',
-        "  fi",
-        f'  echo "qwentitan: no new step was saved before the time limit (step ${{TO_STEP:-0}} of '
-        f'{plan.steps}); not requeued: pass a longer --time."',
-        f"elif (( CODE == {STOPPED_EXIT} )); then",
-        f'  echo "qwentitan: stopped by a signal at step ${{TO_STEP:-0}} of {plan.steps}, '
+        "  elif [[ -n $TIME_UP ]]; then",
+        f'    echo "qwentitan: no new step was saved before the time limit (step ${{TO_STEP:-0}} of '
+        f'{steps}); not requeued: pass a longer --time."',
+        "  else",
+        f'    echo "qwentitan: stopped by a signal at step ${{TO_STEP:-0}} of {steps}, '
         'checkpoint saved; sbatch this script again to continue."',
+        "  fi",
+        f"  exit {STOPPED_EXIT}",
         "fi",
         'exit "$CODE"',
         "",
