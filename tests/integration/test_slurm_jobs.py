@@ -2,14 +2,14 @@
 cluster of scripts/slurm_cluster.sh (Debian's slurm-wlm on this machine; nodes n1 and n2 of one
 CPU each, partition `debug`). Without a cluster that answers `sinfo`, every test here skips.
 
-The jobs are shared, since each costs a start of torch on every node:
-- `two_node_job`: tiny_dense on 2 nodes x 1 rank, 4 steps, written in one folder and submitted
-  from another with `sbatch --export=NONE`;
-- `chains`: on one node each, at the same time: an 8-step job stopped by `scancel
-  --signal=USR1` after step 3, then the same script submitted again; and a 5-step job whose time
-  limit is near at once (`--time 4 --grace-seconds 230`: SLURM signals it in its first 30 s), so
-  its script requeues it after step 1; the test then gives the requeued run a longer limit, as a
-  user would, and it resumes to the end.
+Two shared jobs, since each run costs a start of torch on every node:
+- `two_node_job`: tiny_dense on 2 nodes x 1 rank, 5 steps, written in one folder and submitted
+  from another with `sbatch --export=NONE`, with its time limit near at once (`--time 4
+  --grace-seconds 230`: SLURM signals it in its first 30 s), so its script requeues it after
+  step 1; the test then gives the requeued run a longer limit, as a user would, and it resumes
+  to the end. A stop on two nodes is what srun's --kill-on-bad-exit once turned into 143:0.
+- `usr1_chain`: on one node, an 8-step job stopped by `scancel --signal=USR1` after step 3, then
+  the same script submitted again.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import os
 import re
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,15 +27,14 @@ import pytest
 
 from qwentitan.launch.launcher.cli import main as launch_main
 from qwentitan.launch.launcher.resume import saved_steps
+from qwentitan.launch.runtime.preemption import STOPPED_EXIT
 
 pytestmark = pytest.mark.slow
 
 PARTITION = "debug"
-STOPPED_EXIT = 75
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
 JOB_TIMEOUT_S = 900.0  # a job on this 2-core machine under load; normally 1-2 min
 _STEP_LINE = re.compile(r"(?<!validate )step:\s+(\d+)\s+loss")
-_CWD_LOCK = threading.Lock()  # `slurm` writes relative to the working folder
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +57,7 @@ def cluster() -> None:
 def write_script(workdir: Path, *args: str) -> Path:
     """`qwentitan-launch slurm ... -o job.sbatch`, run in `workdir` (in this process)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    with _CWD_LOCK, contextlib.chdir(workdir):
+    with contextlib.chdir(workdir):
         code = launch_main(
             ["slurm", "--recipe", "tiny_dense", "--ranks-per-node", "1", "--partition", PARTITION,
              "--dump-folder", "D", "-o", "job.sbatch", *args, "--", "--validator.no-enable"]
@@ -136,10 +134,20 @@ class Job:
 @pytest.fixture(scope="module")
 def two_node_job(cluster, tmp_path_factory) -> Job:
     workdir = tmp_path_factory.mktemp("two-nodes")
-    script = write_script(workdir, "--nodes", "2", "--steps", "4")
+    script = write_script(
+        workdir, "--nodes", "2", "--steps", "5", "--time", "4", "--grace-seconds", "230"
+    )
     elsewhere = tmp_path_factory.mktemp("submitted-from")
     job_id = sbatch(script, elsewhere, "--export=NONE")
+    wait_for("the requeue", lambda: int(job(job_id).get("Restarts", 0)) >= 1, job_id)
+    # The requeued run would be signalled at once too, and stop where it resumed: not requeued.
+    scontrol("update", f"JobId={job_id}", "TimeLimit=30")
     return Job(job_id, wait_ended(job_id), workdir, elsewhere)
+
+
+def runs(log: str) -> list[str]:
+    """A job's log cut at the line its script prints as each run starts."""
+    return re.split(r"^qwentitan: job \d+, run \d+,.*$", log, flags=re.M)[1:]
 
 
 def test_a_two_node_job_completes_at_the_first_sbatch_from_another_folder(two_node_job):
@@ -147,8 +155,8 @@ def test_a_two_node_job_completes_at_the_first_sbatch_from_another_folder(two_no
     --export=NONE the job has none of the caller's environment and still starts qwentitan."""
     assert two_node_job.state["JobState"] == "COMPLETED", two_node_job.text()[-3000:]
     assert two_node_job.state["ExitCode"] == "0:0"
-    assert two_node_job.checkpoints == [4]
-    assert two_node_job.steps() == [1, 2, 3, 4]  # each once: one node's rank 0 in this log
+    assert two_node_job.checkpoints[-1] == 5
+    assert two_node_job.steps() == [1, 2, 3, 4, 5]  # each once: one node's rank in this log
     assert not list(two_node_job.submitted_from.iterdir())  # nothing where sbatch ran
     # QWENTITAN_MLFLOW=off was in sbatch's environment: under --export=NONE the ranks did not get
     # it, and rank 0 (on either node) logged to MLflow
@@ -156,28 +164,41 @@ def test_a_two_node_job_completes_at_the_first_sbatch_from_another_folder(two_no
     assert f"logged to sqlite:///{two_node_job.workdir}/mlflow.db" in both
 
 
+def test_a_time_limit_stop_is_requeued_and_resumed_to_completion(two_node_job):
+    text = two_node_job.text()
+    assert two_node_job.state["Restarts"] == "1"
+    run1, run2 = runs(text)  # both runs' lines, in one log (--open-mode=append)
+    stopped_at = [int(n) for n in _STEP_LINE.findall(run1)][-1]
+    assert stopped_at < 5
+    assert f"stopped for the time limit at step {stopped_at} of 5; requeueing" in run1
+    assert [int(n) for n in _STEP_LINE.findall(run2)] == list(range(stopped_at + 1, 6))
+    assert stopped_at in two_node_job.checkpoints
+
+
 def test_the_log_holds_each_line_once_without_colour(two_node_job):
     text, node1 = two_node_job.text(), two_node_job.text(node=1)
     assert "\x1b[" not in text + node1
-    assert text.count("Training completed") == 1
-    # the second node's own output is kept beside the job's log, each labelled by global rank
-    assert re.search(r"step:\s+4\s+loss", node1)
-    ranks = [set(re.findall(r"^\[rank(\d+)\]:", log, flags=re.M)) for log in (text, node1)]
-    assert sorted(ranks, key=sorted) == [{"0"}, {"1"}]
+    assert text.count("Training completed") == 2  # once per run
+    # the second node's output is kept beside the job's log; each run's lines in the job's log
+    # come from one rank, labelled with its global rank
+    assert re.search(r"step:\s+5\s+loss", node1)
+    for run in runs(text):
+        assert len(set(re.findall(r"^\[rank(\d+)\]:", run, flags=re.M))) == 1
     # the rendezvous: the first node's SLURM address (NodeAddr) and a port from the job id
     assert f"--rdzv-endpoint=127.0.0.1:{29500 + two_node_job.id % 1000} " in text
 
 
 @dataclass(frozen=True)
-class Chains:
+class Usr1Chain:
     stopped: Job  # scancel --signal=USR1 after step 3
     first_log: str  # its log as it was when it ended
     resubmitted: Job  # the same script again
-    time_limited: Job  # requeued by its script, then resumed
 
 
-def usr1_chain(root: Path) -> tuple[Job, str, Job]:
-    workdir = root / "usr1"
+@pytest.fixture(scope="module")
+def usr1_chain(cluster, tmp_path_factory) -> Usr1Chain:
+    root = tmp_path_factory.mktemp("usr1")
+    workdir = root / "work"
     script = write_script(workdir, "--nodes", "1", "--steps", "8")
     first = sbatch(script, root)
     probe = Job(first, {}, workdir)
@@ -186,77 +207,23 @@ def usr1_chain(root: Path) -> tuple[Job, str, Job]:
     stopped = Job(first, wait_ended(first), workdir)
     first_log = stopped.text()
     second = sbatch(script, root)
-    return stopped, first_log, Job(second, wait_ended(second), workdir)
+    return Usr1Chain(stopped, first_log, Job(second, wait_ended(second), workdir))
 
 
-def time_limit_chain(root: Path) -> Job:
-    workdir = root / "time-limit"
-    script = write_script(
-        workdir, "--nodes", "1", "--steps", "5", "--time", "4", "--grace-seconds", "230"
-    )
-    job_id = sbatch(script, root)
-    wait_for("the requeue", lambda: int(job(job_id).get("Restarts", 0)) >= 1, job_id)
-    # The requeued run would be signalled at once too, and stop where it resumed: not requeued.
-    scontrol("update", f"JobId={job_id}", "TimeLimit=30")
-    return Job(job_id, wait_ended(job_id), workdir)
-
-
-@pytest.fixture(scope="module")
-def chains(cluster, tmp_path_factory) -> Chains:
-    """Both chains at once, one on each node (each job takes one node's only CPU)."""
-    root = tmp_path_factory.mktemp("chains")
-    results: dict[str, object] = {}
-
-    def run(name: str, chain: Callable[[Path], object]) -> None:
-        try:
-            results[name] = chain(root)
-        except BaseException as error:  # re-raised below, in the test's thread
-            results[name] = error
-
-    threads = [
-        threading.Thread(target=run, args=("usr1", usr1_chain)),
-        threading.Thread(target=run, args=("limit", time_limit_chain)),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for value in results.values():
-        if isinstance(value, BaseException):
-            raise value
-    stopped, first_log, resubmitted = results["usr1"]  # type: ignore[misc]
-    return Chains(stopped, first_log, resubmitted, results["limit"])  # type: ignore[arg-type]
-
-
-def test_usr1_stops_with_a_checkpoint_and_no_requeue(chains):
-    stopped = chains.stopped
-    assert stopped.state["ExitCode"] == f"{STOPPED_EXIT}:0", chains.first_log[-3000:]
+def test_usr1_stops_with_a_checkpoint_and_no_requeue(usr1_chain):
+    stopped = usr1_chain.stopped
+    assert stopped.state["ExitCode"] == f"{STOPPED_EXIT}:0", usr1_chain.first_log[-3000:]
     assert stopped.state["Restarts"] == "0"
     last = stopped.steps()[-1]
     assert 3 <= last < 8
-    assert f"stopped by a signal at step {last} of 8, checkpoint saved" in chains.first_log
+    assert f"stopped by a signal at step {last} of 8, checkpoint saved" in usr1_chain.first_log
 
 
-def test_resubmitting_continues_to_the_last_step_and_keeps_the_first_log(chains):
-    stopped, again = chains.stopped, chains.resubmitted
+def test_resubmitting_continues_to_the_last_step_and_keeps_the_first_log(usr1_chain):
+    stopped, again = usr1_chain.stopped, usr1_chain.resubmitted
     assert again.state["JobState"] == "COMPLETED", again.text()[-3000:]
     assert again.state["ExitCode"] == "0:0"
     last = stopped.steps()[-1]
     assert again.steps() == list(range(last + 1, 9))
     assert again.checkpoints[-1] == 8 and last in again.checkpoints
-    assert stopped.text() == chains.first_log  # the first job's log is its own, kept
-
-
-def test_a_time_limit_stop_is_requeued_and_resumed_to_completion(chains):
-    limited = chains.time_limited
-    text = limited.text()
-    assert limited.state["JobState"] == "COMPLETED", text[-3000:]
-    assert limited.state["ExitCode"] == "0:0" and limited.state["Restarts"] == "1"
-    # both runs' lines, in one log (--open-mode=append)
-    run1, run2 = re.split(r"^qwentitan: job \d+, run 2,", text, flags=re.M)
-    assert f"qwentitan: job {limited.id}, run 1," in run1
-    stopped_at = [int(n) for n in _STEP_LINE.findall(run1)][-1]
-    assert stopped_at < 5
-    assert f"stopped for the time limit at step {stopped_at} of 5; requeueing" in run1
-    assert [int(n) for n in _STEP_LINE.findall(run2)] == list(range(stopped_at + 1, 6))
-    assert limited.checkpoints[-1] == 5
+    assert stopped.text() == usr1_chain.first_log  # the first job's log is its own, kept
