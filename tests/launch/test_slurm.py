@@ -198,7 +198,9 @@ sys.exit(int(os.environ["CODE"]))
 """
 
 
-def _run_under_fake_slurm(tmp_path, plan, *, code, save="", signal_to=None, saved=()):
+def _run_under_fake_slurm(
+    tmp_path, plan, *, code, save="", signal_to=None, saved=(), end_time="", wait=False
+):
     """Run the script with the stubs; (exit code, stdout, the stubs' log lines)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -209,6 +211,7 @@ def _run_under_fake_slurm(tmp_path, plan, *, code, save="", signal_to=None, save
         '  "show node") echo "NodeName=$3 Arch=x86_64"; '
         'echo "   NodeAddr=10.0.0.7 NodeHostName=$3 Version=22.05.8" ;;\n'
         '  requeue*) echo "REQUEUE $2" >> "$LOG" ;;\n'
+        '  "show job") [[ -z $END_TIME ]] || echo "JobId=$3 EndTime=$END_TIME Deadline=N/A" ;;\n'
         "esac\n"
     )
     (bin_dir / "srun").write_text(  # like slurmstepd, it signals every process of the step
@@ -235,7 +238,8 @@ def _run_under_fake_slurm(tmp_path, plan, *, code, save="", signal_to=None, save
         "LOG": str(log),
         "READY": str(ready),
         "CHECKPOINTS": str(checkpoints),
-        "WAIT": "1" if signal_to else "",
+        "WAIT": "1" if signal_to or wait else "",
+        "END_TIME": end_time,
         "SAVE": save,
         "CODE": str(code),
         "SLURM_JOB_ID": "1234",
@@ -288,6 +292,17 @@ def test_a_time_limit_signal_during_the_last_step_ends_the_job_well(tmp_path, tw
         tmp_path, two_node_plan, code=STOPPED_EXIT, save="10", saved=[2], signal_to="script"
     )
     assert code == 0 and not [line for line in log if "REQUEUE" in line]
+
+
+def test_a_time_limit_already_near_at_the_start_counts_as_signalled(tmp_path, two_node_plan):
+    """SLURM's warning is lost when it comes before the script runs (seen with a 4-minute job
+    and a 230 s grace): a job whose end is within the grace at the start stops and requeues."""
+    soon = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 60))
+    code, out, log = _run_under_fake_slurm(
+        tmp_path, two_node_plan, code=STOPPED_EXIT, save="1", end_time=soon, wait=True
+    )
+    assert log[-1] == "REQUEUE 1234" and code == 0
+    assert "stopped for the time limit at step 1 of 10" in out
 
 
 def test_a_failure_after_the_time_limit_signal_is_not_requeued(tmp_path, two_node_plan):
