@@ -28,7 +28,7 @@ def test_trn1_has_32_cores_of_16_gib_and_no_lnc2():
 
 @pytest.mark.parametrize("lnc", [0, 3, 4])
 def test_odd_or_unsupported_lnc_is_refused(lnc):
-    with pytest.raises(LaunchError, match=rf"LNC {lnc} is not valid.*--lnc 2"):
+    with pytest.raises(LaunchError, match=rf"LNC {lnc} is not valid.*pass lnc 2"):
         get_topology("trn2.48xlarge", lnc=lnc)
 
 
@@ -54,6 +54,6 @@ def test_lnc_on_a_non_neuron_instance_is_refused():
 def test_too_many_ranks_per_node_is_refused():
     with pytest.raises(
         LaunchError,
-        match=r"^--ranks-per-node 65 is more than trn2\.48xlarge holds \(64 logical cores at LNC 2\); pass --ranks-per-node 64 or fewer\.$",
+        match=r"^ranks_per_node 65 is more than trn2\.48xlarge holds \(64 logical cores at LNC 2\); pass ranks_per_node 64 or fewer\.$",
     ):
         get_topology("trn2.48xlarge", ranks_per_node=65)

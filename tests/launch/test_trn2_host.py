@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qwentitan.launch.base import neuron_sdk
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.preflight.dataset import check_dataset
 from qwentitan.launch.launcher.preflight.efa import check_efa, efa_devices, fi_info_endpoints
 from qwentitan.launch.launcher.preflight.neuron_stack import check_neuron_stack, installed_version
@@ -29,7 +29,7 @@ DOCUMENTED = {
 
 @pytest.fixture(scope="module")
 def trn2_plan():
-    return resolve_plan("qwen3_4b_native")
+    return resolve_plan(RunRequest(recipe="qwen3_4b_native"))
 
 
 def fake_distributions(site: Path, versions: dict[str, str]) -> None:
@@ -86,14 +86,16 @@ def test_the_versions_file_is_the_documented_matrix():
 
 @pytest.mark.parametrize("recipe", TRN2_RECIPES)
 def test_every_trn2_recipe_reads_its_dataset_on_the_host_offline(recipe):
-    result = check_dataset(resolve_plan(recipe))
+    result = check_dataset(resolve_plan(RunRequest(recipe=recipe)))
     assert result.status == "pass", result.detail
-    assert result.figures["first_batch"][-1] == resolve_plan(recipe).seq_len
+    assert result.figures["first_batch"][-1] == resolve_plan(RunRequest(recipe=recipe)).seq_len
 
 
 @pytest.mark.parametrize("dataset", ["c4_test", "allenai/c4"])
 def test_data_that_is_not_on_the_host_fails_offline(dataset):
-    plan = resolve_plan("qwen3_4b_hf", extra_overrides=["--dataloader.dataset", dataset])
+    plan = resolve_plan(
+        RunRequest(recipe="qwen3_4b_hf", overrides=["--dataloader.dataset", dataset])
+    )
     result = check_dataset(plan)
     assert result.status == "fail" and "64 ranks" in result.detail and dataset in result.detail
 
@@ -108,7 +110,7 @@ def efa_sysfs(root: Path, drivers: dict[str, str]) -> Path:
 
 
 def test_efa_is_checked_on_a_multi_node_plan(tmp_path):
-    plan = resolve_plan("qwen3_4b_native", nodes=2, rdzv_endpoint="node0:29500")
+    plan = resolve_plan(RunRequest(recipe="qwen3_4b_native", nodes=2, rdzv_endpoint="node0:29500"))
     sysfs = efa_sysfs(tmp_path, {"rdmap16s27": "efa", "rdmap32s27": "efa", "mlx5_0": "mlx5_core"})
     assert efa_devices(sysfs) == ["rdmap16s27", "rdmap32s27"]
 
@@ -118,7 +120,9 @@ def test_efa_is_checked_on_a_multi_node_plan(tmp_path):
     assert none.status == "fail" and "2-node run needs EFA on every node" in none.detail
     zero = check_efa(plan, on_target_host=True, root=sysfs, endpoints=lambda: 0)
     assert zero.status == "fail"
-    one_node = check_efa(resolve_plan("qwen3_4b_native"), on_target_host=True, root=sysfs)
+    one_node = check_efa(
+        resolve_plan(RunRequest(recipe="qwen3_4b_native")), on_target_host=True, root=sysfs
+    )
     assert one_node.status == "skip"
 
 
@@ -133,7 +137,7 @@ def test_fi_info_endpoints_are_counted():
 
 
 def test_the_missing_weights_line_names_the_hub_model_and_the_command(tmp_path):
-    plan = resolve_plan("qwen3_4b_hf")
+    plan = resolve_plan(RunRequest(recipe="qwen3_4b_hf"))
     result = check_weights(plan, tmp_path / "absent")
     assert result.status == "fail"
     assert "Qwen/Qwen3-4B-Instruct-2507" in result.detail

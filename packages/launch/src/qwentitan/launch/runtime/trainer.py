@@ -44,7 +44,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,6 +56,8 @@ from torchtitan import trainer as torchtitan_trainer
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
+from qwentitan.kernels import KernelChoices
+from qwentitan.kernels.env import kernel_choices_text
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.target import Target, get_target
 from qwentitan.launch.runtime.console import quiet_console
@@ -74,6 +76,9 @@ __all__ = [
 
 # Before torchtitan builds a rank's config and Trainer (the recipe module imports this one).
 quiet_console()
+
+# A recipe's model for a Target and kernel choices (`Trainer.Config.model_for`).
+ModelFor = Callable[[Target, KernelChoices], ModelSpec]
 
 # Exit code of a rank whose checkpoint could not be written: a fault of the environment.
 SAVE_FAILED_EXIT = 2
@@ -196,18 +201,30 @@ class Trainer(torchtitan_trainer.Trainer):
         lnc: int | None = None
         """Logical NeuronCore size on Trainium (None: `NEURON_LOGICAL_NC_CONFIG`, else the
         Target's default)."""
+        kernels: str = field(default_factory=kernel_choices_text)
+        """Which implementation each custom kernel of the moe-kernels path runs, as
+        comma-separated kernel=choice pairs (`experts=reference`; `qwentitan.kernels.
+        KernelChoices`); default `$QWENTITAN_KERNELS`, else NKI RoPE and experts."""
         stop_after: int | None = None
         """Stop after this step with a full checkpoint, before `training.steps` (a planned
         interruption: a later run with the same folder resumes from it)."""
-        model_for: Annotated[Callable[[Target], ModelSpec] | None, tyro.conf.Suppress] = None
-        """How the recipe builds its model for a Target (set by the recipe, like `model_spec`)."""
+        model_for: Annotated[ModelFor | None, tyro.conf.Suppress] = None
+        """How the recipe builds its model for a Target and kernel choices (set by the recipe,
+        like `model_spec`)."""
+        placed_for: Annotated[tuple[str, str] | None, tyro.conf.Suppress] = None
+        """The (target, kernels) `model_spec` was built for."""
 
         def __post_init__(self) -> None:
-            # Runs again when torchtitan's parser applies the command line, so `--target` reaches
-            # the model and the CUDA-graph switch in the one config the ranks and the plan build.
+            # Runs again each time torchtitan's parser applies the command line (its fields
+            # arrive as the recipe's config had them), so `--target` reaches the model and the
+            # CUDA-graph switch in the one config the ranks and the plan build. The model is
+            # built once per placement: only a changed target or kernel choice rebuilds it.
             target = self.placed_target()
-            if self.model_for is not None:
-                self.model_spec = self.model_for(target)
+            placement = (target.name, self.kernels)
+            if self.model_for is not None and placement != self.placed_for:
+                choices = KernelChoices.parse(self.kernels, source="kernels")
+                self.model_spec = self.model_for(target, choices)
+                self.placed_for = placement
             # CUDA graphs exist on CUDA only; torchtitan validates them (and refuses EP) else.
             # Set both ways: the recipe's own build (for this host) must not decide for --target.
             self.training.disable_cuda_graphs = target.device_type != "cuda"
@@ -226,6 +243,7 @@ class Trainer(torchtitan_trainer.Trainer):
         def to_dict(self) -> dict[str, Any]:
             config = torchtitan_trainer.Trainer.Config.to_dict(self)
             config.pop("model_for", None)  # a function: the model itself is under model_spec
+            config.pop("placed_for", None)
             return config
 
     config: Config

@@ -199,7 +199,8 @@ def check_tokenizer_folder(folder: str | Path) -> Path:
     if not (folder / "tokenizer.json").is_file():
         raise LaunchError(
             f"Tokenizer folder {folder} has no tokenizer.json; pass a Hugging Face model folder "
-            "(for example one saved by `save_pretrained`) or leave --tokenizer out for Qwen3's."
+            "(for example one saved by `save_pretrained`) or leave {tokenizer} out for Qwen3's.",
+            field="tokenizer",
         )
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
@@ -209,6 +210,7 @@ def check_tokenizer_folder(folder: str | Path) -> Path:
         reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
         raise LaunchError(
             f"Tokenizer folder {folder} cannot be loaded ({reason}); pass an undamaged Hugging "
-            "Face model folder or leave --tokenizer out for Qwen3's."
+            "Face model folder or leave {tokenizer} out for Qwen3's.",
+            field="tokenizer",
         ) from None
     return folder
