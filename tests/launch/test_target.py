@@ -16,7 +16,7 @@ from qwentitan.launch.base.target import (
 )
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.runtime.platforms import get_platform
-from qwentitan.launch.tracking.cost import hourly_price
+from qwentitan.launch.tracking.summary import hourly_price
 
 LAUNCH_SRC = Path(__file__).resolve().parents[2] / "packages" / "launch" / "src" / "qwentitan"
 

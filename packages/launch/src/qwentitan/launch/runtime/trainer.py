@@ -64,7 +64,7 @@ from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
 from qwentitan.launch.runtime.platforms import Platform, get_platform, host_target
 from qwentitan.launch.runtime.preemption import PreemptionWatch
-from qwentitan.launch.tracking.reports import FIRST_STEP, attach_report
+from qwentitan.launch.tracking.logger import FIRST_STEP, attach_report
 
 __all__ = [
     "Trainer",

@@ -106,8 +106,7 @@ def _run_folder(recipe: str, given: str | None, resume: str) -> tuple[Path, bool
 
 def _summary_block(run_dir: Path, checkpoint_folder: Path | None, started: float) -> str | None:
     """The block the metrics rank left for this run (None if it wrote none: a failed start)."""
-    from qwentitan.launch.tracking.logger import REPORTS_FOLDER
-    from qwentitan.launch.tracking.reports import SUMMARY
+    from qwentitan.launch.tracking.logger import REPORTS_FOLDER, SUMMARY
     from qwentitan.launch.tracking.summary import format_summary
 
     path = run_dir / REPORTS_FOLDER / f"{SUMMARY}.json"

@@ -155,7 +155,15 @@ def build_qwen_tokenizer(folder: Path) -> Path:
     for offset, (content, _) in enumerate(QWEN3_SPECIAL_TOKENS):
         assert tokenizer.token_to_id(content) == _FIRST_SPECIAL_ID + offset
 
-    config = {
+    with atomic_folder(folder) as tmp:
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_config(), indent=2) + "\n")
+    return Path(folder)
+
+
+def _config() -> dict:
+    """`tokenizer_config.json`: Qwen3's settings and its special tokens, as transformers reads them."""
+    return {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -179,10 +187,6 @@ def build_qwen_tokenizer(folder: Path) -> Path:
         },
         "qwentitan": {"source": "qwen-tokenizer qwen.tiktoken", "padded_vocab": QWEN3_PADDED_VOCAB},
     }
-    with atomic_folder(folder) as tmp:
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return Path(folder)
 
 
 def qwen_tokenizer_folder(cache: Path | None = None) -> Path:
