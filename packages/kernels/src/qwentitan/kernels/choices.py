@@ -56,7 +56,7 @@ class KernelChoices:
         chosen: dict[str, str] = {}
         for item in filter(None, (part.strip() for part in raw.split(","))):
             kernel, sep, choice = item.partition("=")
-            if not sep or kernel.strip() not in kernels:
+            if not sep or kernel.strip() not in kernels or choice.strip() not in CHOICES:
                 raise KernelError(
                     f"{source}={raw!r} has {item!r}; write comma-separated "
                     f"kernel=choice pairs with kernel in {', '.join(kernels)} and choice in "
