@@ -175,11 +175,13 @@ def add_request_flags(
     *,
     defaults: Mapping[str, Any] | None = None,
     required: Iterable[str] = (),
+    helps: Mapping[str, str] | None = None,
     overrides: bool = True,
 ) -> None:
     """Add the flags of `fields` (and, with `overrides`, the torchtitan overrides after `--`).
-    Unset flags are None, so the request keeps its own defaults unless `defaults` says else."""
-    defaults = dict(defaults or {})
+    Unset flags are None, so the request keeps its own defaults unless `defaults` says else;
+    `helps` replaces a flag's help where the command gives it another default."""
+    defaults, helps = dict(defaults or {}), dict(helps or {})
     for name in fields:
         flag = FLAGS[name]
         extra: dict[str, Any] = {"choices": flag.choices} if flag.choices else {}
@@ -192,7 +194,8 @@ def add_request_flags(
             type=flag.type,
             default=defaults.get(name),
             required=name in required,
-            help=flag.help + (f" (default {defaults[name]})" if name in defaults else ""),
+            help=helps.get(name, flag.help)
+            + (f" (default {defaults[name]})" if name in defaults else ""),
             **extra,
         )
     if overrides:

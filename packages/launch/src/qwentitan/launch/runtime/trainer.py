@@ -1,40 +1,14 @@
 """torchtitan's Trainer, made to run on the platform it finds (CPU included): the thin glue.
 
-What happens each training step is torchtitan's `Trainer.train()` loop, unchanged:
-
-    step += 1
-    train_step(batches)        # forward, backward, clip grad norm, optimizer.step, lr.step, log
-    checkpointer.save(step)    # DCP, every `checkpoint.interval` steps and at the last one
-    validator.validate(step)   # loss on the held-out slice, every `validator.freq` steps
-    should_continue_training() # <- the step boundary: `at_step_boundary()` below
-
-This module adds only what torchtitan 0.3.0 lacks, one place each:
-
-- `Trainer.Config.target` / `.lnc`: the machine kind the run trains on, a config field like any
-  other (the launcher writes `--target trn2.48xlarge --lnc 2` on every rank's line). The config
-  follows from it when it is built (`Config.__post_init__`): the model is built through the
-  recipe's `model_for(target)` (the attention that trains there), and CUDA graphs are on
-  exactly where they exist (CUDA). The Trainer takes its device, backend and MFU peak from the same Target.
-
-- `use_platform()`: point torchtitan at the platform's device module. With no accelerator
-  torchtitan falls back to "cuda" (`tools/utils.py: get_device_info`), and several of its modules
-  copied that choice at import time.
-- `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
-- `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
-  the signals the launcher forwards: SIGTERM, SIGUSR1, SIGINT), so `--resume` continues exactly.
-- `checked_loads()`: torchtitan's DCP load runs only after qwentitan.checkpoint's
-  `SafeFileSystemReader` read the `.metadata` (an allow-list unpickler), so a pickle in it
-  never runs.
-- `guard_saves()`: a save that fails (disk full, folder gone read-only) removes its partial
-  `step-N` folder and ends the rank with one sentence, so no later `--resume` takes it for a
-  whole checkpoint. DCP writes `.metadata` last (through a temporary file), so a rank killed
-  mid-save already leaves a folder that torchtitan and `--resume` skip.
-- `console.quiet_console()` (on import): torchtitan's and torch's lines a user cannot act on
-  are dropped; the MFU peak is said once, by the Trainer.
-- `Trainer.train_step()`: the first step of a process is timed apart (on Neuron it compiles for
-  minutes) and, on Neuron, followed by the list of ops TorchNeuron ran on the CPU; both go to
-  RUN_DIR/reports/first_step.json (what `preflight --compile-smoke` reads), the CPU fallbacks
-  also to the console and the MLflow run's tags.
+Each training step is torchtitan's `Trainer.train()` loop, unchanged; this module adds only what
+torchtitan 0.3.0 lacks, one place each: the machine kind and kernel choices as config fields
+(`Trainer.Config.target` / `.lnc` / `.kernels`, from which the config builds its model), the
+platform's device module (`use_platform`), SUM reductions for gloo (`force_sum_reduction`), the
+step boundary where a run stops early with a checkpoint (`Trainer.at_step_boundary`), loads
+only of a checked `.metadata` (`checked_loads`), saves that fail in one sentence and leave no
+partial step (`guard_saves`), and the first step timed apart with, on Neuron, the ops
+TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json). Importing
+it quiets the console lines a user cannot act on (`console.quiet_console`).
 """
 
 from __future__ import annotations

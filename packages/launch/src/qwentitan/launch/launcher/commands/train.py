@@ -30,7 +30,15 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_request_flags(parser, SHARED, defaults={"recipe": "tiny_dense", "resume": "fresh"})
+    add_request_flags(
+        parser,
+        SHARED,
+        defaults={"recipe": "tiny_dense", "resume": "fresh"},
+        helps={
+            "instance": "the Target to train as (default: this host: Neuron, else CUDA, else CPU)",
+            "nodes": "1: train runs on this machine (`run` starts each node of several)",
+        },
+    )
 
 
 def run(args: argparse.Namespace) -> int:
