@@ -39,7 +39,7 @@ from qwentitan.launch.launcher.plan_rules import (
     max_positions,
     resolve_degrees,
 )
-from qwentitan.launch.launcher.recipe_config import RECIPES_MODULE, load_config
+from qwentitan.launch.launcher.recipe_config import RECIPES_MODULE, load_config, recipe_names
 from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, RunRequest
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "RunRequest",
     "default_instance",
     "load_config",
+    "recipe_names",
     "resolve_plan",
 ]
 
@@ -214,12 +215,6 @@ def default_instance(recipe: str) -> str:
 
     known = recipe in recipe_names()
     return (recipe_info(recipe).instance if known else None) or host_target()
-
-
-def recipe_names() -> list[str]:
-    from qwentitan.launch import recipes
-
-    return recipes.recipe_names()
 
 
 def model_shape(config: Any) -> ModelShape:
