@@ -29,7 +29,7 @@ def check_host(plan: LaunchPlan) -> None:
         raise LaunchError(
             f"This host has no Neuron devices (torch-neuronx is not loaded), so the "
             f"{plan.topology.name} plan above cannot run here; launch it on a "
-            f"{plan.topology.name}, or only print it with `qwentitan-launch plan`."
+            f"{plan.topology.name}, or only print it (`plan`, or `run --dry-run`)."
         )
     if count < plan.ranks_per_node:
         unit = "Neuron cores" if device == "neuron" else "CUDA devices"

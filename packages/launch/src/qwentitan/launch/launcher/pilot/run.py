@@ -118,9 +118,7 @@ def run_pilot(
         results = [compare(pair, losses, request.steps or 0) for pair in chosen]
         plot = plot_losses(losses, results, folder / PLOT)
         _log_results(target, parent, results, plot)
-    except (
-        BaseException
-    ) as error:  # Ctrl-C (the running `train` has saved and stopped), a full disk
+    except BaseException as error:  # Ctrl-C (the child saved and stopped), a full disk
         target.end(parent, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", now_ms())
         raise
     passed = not failed and all(r.passed for r in results)
