@@ -44,23 +44,6 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
     "tokenizer": ("--hf-assets-path",),
     "validate_every": ("--validator.freq",),
 }
-_POSITIVE = (
-    "nodes",
-    "ranks_per_node",
-    "lnc",
-    "tp",
-    "fsdp",
-    "ep",
-    "pp",
-    "dp_replicate",
-    "global_batch_size",
-    "seq_len",
-    "local_batch_size",
-    "steps",
-    "stop_after",
-    "checkpoint_interval",
-    "validate_every",
-)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,7 +89,7 @@ class RunRequest:
     """torchtitan overrides for every rank, after the fields' own (so they win)."""
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE:
+        for name in _COUNTS:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise LaunchError(
@@ -146,3 +129,11 @@ class RunRequest:
         if self.ac is not None:
             words.append(f"activation-checkpoint:{self.ac}")
         return words
+
+
+# The request's counts, each 1 or more (max_restarts, the one that may be 0, is checked apart).
+_COUNTS = tuple(
+    f.name
+    for f in dataclasses.fields(RunRequest)
+    if str(f.type).startswith("int") and f.name != "max_restarts"
+)
