@@ -177,10 +177,12 @@ def make_env(env: Path, venv: Path, found: dict) -> Path:
             "(default .venv-trn2 in the checkout)."
         )
     existing = _venv_config(env)
-    if env.exists() and not existing and any(env.iterdir()):
+    made_here = any(env.glob(f"lib/python*/site-packages/{PTH_NAME}"))
+    if env.exists() and any(env.iterdir()) and not (existing and made_here):
+        # `uv pip sync` would remove what the folder holds: only an earlier E is reused.
         raise InstallError(
-            f"--env {env} is a folder that holds files but no venv; pass --env naming a new "
-            "folder or the environment an earlier install made."
+            f"--env {env} already holds files and is no environment this install made; pass "
+            "--env naming a new folder or the environment an earlier install made."
         )
     version = ".".join(map(str, found["python"]))
     fresh = ["--clear"] if existing and existing.get("version_info") != version else []

@@ -13,6 +13,7 @@ torch's weight.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import importlib.util
 import json
@@ -37,10 +38,19 @@ STAND_INS = {
 }
 
 
+@functools.cache
 def pyenv_python(version: str) -> Path | None:
+    """pyenv's newest install of `version`, else one uv finds on this machine, else None."""
     root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     found = sorted(root.glob(f"{version}.*/bin/python{version}"))
-    return found[-1] if found else None
+    if found:
+        return found[-1]
+    if shutil.which("uv") is None:
+        return None
+    done = subprocess.run(
+        ["uv", "python", "find", "--system", version], capture_output=True, text=True
+    )
+    return Path(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip() else None
 
 
 def make_wheel(
@@ -125,7 +135,7 @@ def load_script():
 
 
 needs_uv = pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv on PATH")
-needs_312 = pytest.mark.skipif(pyenv_python("3.12") is None, reason="needs pyenv's Python 3.12")
+needs_312 = pytest.mark.skipif(pyenv_python("3.12") is None, reason="needs a Python 3.12")
 
 
 @pytest.fixture(scope="session")
@@ -247,7 +257,7 @@ def test_the_shadowing_pth_puts_the_env_first(tmp_path):
 
 
 @needs_uv
-@pytest.mark.skipif(pyenv_python("3.11") is None, reason="needs pyenv's Python 3.11")
+@pytest.mark.skipif(pyenv_python("3.11") is None, reason="needs a Python 3.11")
 def test_a_python_311_venv_is_refused_naming_312(tmp_path):
     venv = make_venv(tmp_path, pyenv_python("3.11"))
     before = tree_digest(venv)
@@ -312,6 +322,21 @@ def test_what_is_not_a_venv_is_refused_in_one_sentence(tmp_path):
         done = install_script("--venv", str(venv), "--env", str(tmp_path / "env"))
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert named in done.stderr and "--neuron-venv" in done.stderr
+
+
+@needs_uv
+@needs_312
+def test_an_env_folder_that_is_not_an_earlier_install_or_overlaps_the_venv_is_refused(tmp_path):
+    stand_ins = {"torch": ("2.14.0", ("torch",), ()), "torch-neuronx": STAND_INS["torch-neuronx"]}
+    venv = make_venv(tmp_path, pyenv_python("3.12"), stand_ins=stand_ins)
+    other = tmp_path / "workspace-venv"  # a venv this install did not make, like `.venv`
+    subprocess.run(["uv", "venv", "--quiet", "--python", sys.executable, str(other)], check=True)
+    before = tree_digest(other)
+    for env, named in ((other, "no environment this install made"),
+                       (venv / "env", "overlaps the Neuron venv")):  # fmt: skip
+        done = install_script("--venv", str(venv), "--env", str(env))
+        assert done.returncode == 2 and named in done.stderr, done.stderr
+    assert tree_digest(other) == before and not (venv / "env").exists()
 
 
 @pytest.mark.slow

@@ -6,11 +6,13 @@ is installed, and the README cites it. It imports nothing on purpose.
 
 Two documented stacks, the newest the default (Neuron SDK documentation,
 awsdocs-neuron.readthedocs-hosted.com):
-- 2.34 (released 2026-11-30; release notes 2.34.0): TorchNeuron, TorchTitan Neuron and the new
-  TorchAO Neuron are updated. "What is TorchAO Neuron?" (training/torchao-neuron) requires for
-  2.34: PyTorch 2.14.0, torch-neuronx 2.14.3.1 and torchtitan-neuron 0.2.2+neuron.2; the
-  TorchAO Neuron release notes give Python 3.12, 3.13 and 3.14. TorchAO Neuron itself (MXFP8
-  training) is for Trn3 only, so it is not part of a trn2 stack.
+- 2.34 (released 2026-11-30; release notes 2.34.0): TorchNeuron and TorchTitan Neuron are
+  updated and TorchAO Neuron is new. "What is TorchAO Neuron?" (training/torchao-neuron) lists
+  the 2.34 stack it requires: PyTorch 2.14.0, torch-neuronx 2.14.3.1 and torchtitan-neuron
+  0.2.2+neuron.2 (for its MXFP8 recipes); its release notes give Python 3.12, 3.13 and 3.14.
+  (These versions are the TorchAO pages'; TorchNeuron's own 2.34 notes are not cited here.)
+  TorchAO Neuron itself (MXFP8 training) is for Trn3 only, so it is not
+  part of a trn2 stack.
 - 2.33: "What is TorchTitan Neuron?" support matrix (training/torchtitan/about-torchtitan-neuron)
   and the TorchNeuron release notes: PyTorch 2.14.0 with the torch-neuronx 2.14.3.0 package
   family, Python 3.12, 3.13 and 3.14 on Linux x86_64, TorchTitan Neuron 0.2.2+neuron.1.
