@@ -103,7 +103,7 @@ def test_each_kind_derives_ranks_memory_and_flops_from_its_stated_facts():
 
 def test_prices_are_the_targets():
     priced = {name: t.price_per_hour for name, t in TARGETS.items() if t.price_per_hour}
-    assert set(priced) == {"trn2.48xlarge", "trn1.32xlarge", "p4d.24xlarge", "p5.48xlarge"}
+    assert set(priced) == {"trn2.48xlarge", "p4d.24xlarge", "p5.48xlarge"}
     for name, usd in priced.items():
         assert hourly_price(name)[0] == usd
     assert hourly_price("cpu") is None and hourly_price("cuda") is None

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from qwentitan.launch.base import neuron_sdk
+from qwentitan.launch.launcher.cli import main
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.preflight.dataset import check_dataset
 from qwentitan.launch.launcher.preflight.efa import check_efa, efa_devices, fi_info_endpoints
@@ -50,8 +52,32 @@ def test_the_documented_neuron_stack_passes_from_installed_metadata(
     result = check_neuron_stack(trn2_plan, on_neuron_host=True, python=(3, 13, 0))
 
     assert result.status == "pass", result.detail
+    assert result.detail.startswith("Neuron SDK 2.33 stack: ")
     assert "torch 2.14.0, torch-neuronx 2.14.3.0, neuronx-cc 2.21.33.0, nki 0.3.0" in result.detail
-    assert "torchtitan 0.3.0 from " in result.detail
+    assert "qwentitan runs torchtitan 0.3.0 from " in result.detail
+
+
+def test_the_newest_documented_stack_is_the_default_and_both_pass(trn2_plan):
+    assert neuron_sdk.SDK_VERSION == "2.34" and neuron_sdk.SDK_VERSIONS == ("2.34", "2.33")
+    for torch_neuronx, sdk in (("2.14.3.1.96", "2.34"), ("2.14.3.0.12", "2.33")):
+        versions = {**DOCUMENTED, "torch-neuronx": torch_neuronx, "torch": "2.14.0+cpu"}
+        result = check_neuron_stack(
+            trn2_plan, on_neuron_host=True, version_of=versions.get, python=(3, 12, 1),
+            installs=lambda: [("0.3.0", "/env/site-packages")],
+        )  # fmt: skip
+        assert result.status == "pass" and result.figures["neuron_sdk"] == sdk, result.detail
+
+
+def test_a_fork_the_neuron_venv_holds_behind_upstream_passes_with_a_note(trn2_plan):
+    installs = [("0.3.0", "/srv/.venv-trn2/lib/python3.12/site-packages"),
+                ("0.2.2+neuron.1", "/opt/venv/lib/python3.12/site-packages")]  # fmt: skip
+    result = check_neuron_stack(
+        trn2_plan, on_neuron_host=True, version_of=DOCUMENTED.get, python=(3, 12, 1),
+        installs=lambda: installs,
+    )  # fmt: skip
+    assert result.status == "pass", result.detail
+    assert "qwentitan runs torchtitan 0.3.0 from " in result.detail
+    assert "AWS's fork aws-neuron/torchtitan-neuron 0.2.2+neuron.1 in /opt/venv" in result.detail
 
 
 @pytest.mark.parametrize(
@@ -61,7 +87,7 @@ def test_the_documented_neuron_stack_passes_from_installed_metadata(
         ({"torch-neuronx": "2.13.3.0"}, (3, 12, 1), "torch-neuronx 2.13.3.0"),
         ({"nki": None}, (3, 12, 1), "nki missing"),
         ({}, (3, 11, 7), "Python 3.11.7 (Neuron wheels: 3.12-3.14)"),
-        ({"torchtitan": "0.2.2+neuron.1"}, (3, 12, 1), "aws-neuron/torchtitan-neuron"),
+        ({"torchtitan": "0.2.2+neuron.1"}, (3, 12, 1), "nox -s train_trn2"),
     ],
 )
 def test_a_stack_off_the_documented_pairs_fails_naming_it(trn2_plan, change, python, named):
@@ -69,7 +95,7 @@ def test_a_stack_off_the_documented_pairs_fails_naming_it(trn2_plan, change, pyt
     result = check_neuron_stack(
         trn2_plan, on_neuron_host=True, version_of=versions.get, python=python
     )
-    assert result.status == "fail" and named in result.detail
+    assert result.status == "fail" and named in result.detail, result.detail
 
 
 def test_the_stack_is_only_reported_off_a_neuron_host(trn2_plan):
@@ -82,6 +108,31 @@ def test_the_versions_file_is_the_documented_matrix():
     assert not neuron_sdk.python_supported((3, 11, 7))
     assert all(neuron_sdk.is_protected(n) for n in ("torch", "Torch_Neuronx", "nvidia-nccl-cu13"))
     assert not neuron_sdk.is_protected("torchtitan")
+    assert neuron_sdk.matches("2.14.0+cpu", "2.14.0") and neuron_sdk.matches("2.28.1.0", "2")
+    assert not neuron_sdk.matches("2.14.3.10", "2.14.3.1")
+    assert neuron_sdk.is_fork("0.2.2+neuron.2") and not neuron_sdk.is_fork("0.3.0")
+
+
+def test_the_neuron_pair_group_is_the_documented_torch_and_transformers():
+    """`nox -s tests-3.13` runs pyproject's neuron-pair group; it must be neuron_sdk's pair."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pair = project["dependency-groups"]["neuron-pair"]
+    assert pair == [f"torch=={neuron_sdk.TORCH}", f"transformers=={neuron_sdk.TRANSFORMERS}"]
+
+
+def test_compile_with_the_nki_kernels_on_neuron_is_refused_at_plan_time(capsys, monkeypatch):
+    monkeypatch.delenv("QWENTITAN_KERNELS", raising=False)
+    args = ["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "nki_op" in err and "eager" in err and "drop --compile.enable" in err
+    assert "(grouped_experts, rope)" in err
+    # eager, or compiled with the reference twins (plain PyTorch ops), plans as before
+    assert main(["plan", "--recipe", "qwen3_moe_kernels"]) == 0
+    monkeypatch.setenv("QWENTITAN_KERNELS", "rope=reference,experts=reference")
+    assert main(args) == 0
+    assert "torch.compile, backend neuron" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("recipe", TRN2_RECIPES)

@@ -13,8 +13,11 @@ Trainium2 chips of 8 physical NeuronCore-v3 and 96 GiB HBM each
 (about-neuron/arch/neuron-hardware/trainium2.rst, nki/guides/architecture/trainium2_arch.rst);
 at LNC=2 two physical cores act as one logical core
 (about-neuron/arch/neuron-features/logical-neuroncore-config.rst), so a chip gives 4 ranks of
-24 GiB and the instance 64 ranks. A trn1.32xlarge holds 16 Trainium chips of 2 NeuronCore-v2 and
-32 GiB HBM each (about-neuron/arch/neuron-hardware/trainium.rst), LNC=1 only. Peak FLOPs: "A
+24 GiB and the instance 64 ranks. No Trn1 kind: TorchNeuron, the backend these recipes train on,
+supports Trn2 and Trn3 only (Neuron SDK 2.33 release notes, TorchNeuron support matrix). No Trn3
+kind either: the documentation gives Trainium3's chip (8 NeuronCore-v4, 144 GiB) and its
+UltraServers (about-neuron/arch/neuron-hardware/trn3-arch.rst), but no single instance to plan
+for. Peak FLOPs: "A
 NeuronCore-v3 Tensor Engine delivers ... 79 BF16/FP16/TF32 TFLOPS"
 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/
 neuron-core-v3.html), so a rank at LNC 2 peaks at 158 TFLOPS. The chip page (trainium2.rst) gives
@@ -232,19 +235,6 @@ TARGETS: dict[str, Target] = {
             price_per_hour=44.70,
         ),
         Target(
-            name="trn1.32xlarge",
-            description="16 Trainium chips, 2 NeuronCores and 32 GiB HBM per chip",
-            device_type="neuron",
-            backend="neuron",
-            attention="sdpa",
-            chips=16,
-            cores_per_chip=2,
-            chip_memory_gib=32.0,
-            compile_target="trn1",
-            efa=True,
-            price_per_hour=21.50,
-        ),
-        Target(
             name="p4d.24xlarge",
             description="8 NVIDIA A100 GPUs of 40 GiB, one rank per GPU over nccl",
             device_type="cuda",
@@ -284,9 +274,21 @@ TARGETS: dict[str, Target] = {
 }
 
 
+# Kinds a user may name that these recipes cannot train on, with the reason.
+UNSUPPORTED = {
+    "trn1.32xlarge": "TorchNeuron, the PyTorch backend these recipes train on, supports Trn2 and "
+    "Trn3 only (Neuron SDK 2.33)",
+}
+
+
 def get_target(name: str) -> Target:
     """The Target called `name`, or a refusal listing the kinds there are."""
     target = TARGETS.get(name)
+    if name in UNSUPPORTED:
+        raise LaunchError(
+            f"Instance {name!r} is not supported: {UNSUPPORTED[name]}; choose trn2.48xlarge "
+            "with --instance."
+        )
     if target is None:
         raise LaunchError(
             f"Unknown instance {name!r}; choose one of {', '.join(TARGETS)} with {{instance}}.",

@@ -31,6 +31,7 @@ from qwentitan.launch.launcher.memory import (
 )
 from qwentitan.launch.launcher.plan_rules import (
     ParallelDegrees,
+    check_compile_with_nki,
     check_loss_chunks,
     check_ranges,
     check_stop_after,
@@ -308,6 +309,7 @@ def _checked(
     topology.target.check_seq_len(seq_len, topology.lnc, max_positions(config.model_spec.model))
     check_loss_chunks(config, seq_len, degrees.context_parallel)
     check_stop_after(config, request.resume)
+    check_compile_with_nki(config, topology)
     backend = compile_backend(config, topology, overrides)
     if backend is not None:
         _set_override(overrides, "--compile.backend", backend)

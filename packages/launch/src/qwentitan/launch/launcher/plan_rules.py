@@ -17,6 +17,7 @@ from qwentitan.launch.base.target import Topology
 __all__ = [
     "NEURON_COMPILE_BACKEND",
     "ParallelDegrees",
+    "check_compile_with_nki",
     "check_loss_chunks",
     "check_ranges",
     "check_stop_after",
@@ -153,6 +154,27 @@ def compile_backend(config: Any, topology: Topology, overrides: list[str]) -> st
             f"--compile.backend {NEURON_COMPILE_BACKEND} or leave it out."
         )
     return NEURON_COMPILE_BACKEND
+
+
+def check_compile_with_nki(config: Any, topology: Topology) -> None:
+    """A compiled Neuron run whose model launches NKI kernels is refused: torch-neuronx runs an
+    NKI kernel inside `torch.compile` only when it is registered with `nki_op` ("How to work
+    with NKI kernels from torch-neuronx", Neuron SDK 2.33), and qwentitan's custom ops call
+    their `@nki.jit` kernels plainly, which TorchNeuron documents for eager mode, the mode AWS's
+    MoE kernels example runs. Called by `plan_from_overrides` beside `compile_backend`."""
+    spec = getattr(config, "model_spec", None)
+    if topology.device_type != "neuron" or not config.compile.enable or spec is None:
+        return
+    from qwentitan.modeling.kernel_path import rules_in
+
+    nki_ops = sorted({rule.op for rule in rules_in(spec.model) if rule.use_nki and rule.op})
+    if nki_ops:
+        raise LaunchError(
+            f"--compile.enable with qwentitan's NKI kernels ({', '.join(nki_ops)}) is not "
+            f"supported on {topology.name}: they are not registered with nki_op, so they run in eager mode "
+            "only (as AWS's MoE kernels example runs); drop --compile.enable, or choose their "
+            "reference twins (`-- --kernels rope=reference,experts=reference`)."
+        )
 
 
 def global_batch_size(

@@ -31,7 +31,7 @@ TESTED = {
 }
 # Needed on Trainium only; torch-neuronx 2.14.3 is built against torch 2.14 (the documented
 # pairs, neuron_stack.py, check the rest of the Neuron SDK stack).
-TESTED_NEURON = {"torch-neuronx": neuron_sdk.STACK["torch-neuronx"]}
+TESTED_NEURON = {"torch-neuronx": neuron_sdk.TORCH_NEURONX + "."}
 
 
 def _installed(name: str) -> str | None:
