@@ -111,14 +111,11 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(train_in_process, tmp_path
 
 
 def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted):
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.run_folder import checkpoint_bytes
 
     run_dir = uninterrupted[0]
     step = run_dir / "checkpoint" / "step-4"  # the last save: model, optimizer, data state
     saved = sum(f.stat().st_size for f in step.iterdir() if f.is_file())
-    plan = resolve_plan(
-        "tiny_dense", instance="cpu", ranks_per_node=2, seq_len=32, local_batch=1, steps=4,
-        dump_folder=str(run_dir),
-    )  # fmt: skip
+    plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2, seq_len=32, local_batch_size=1, steps=4, run_dir=str(run_dir)))  # fmt: skip
     assert abs(checkpoint_bytes(plan) / saved - 1) < 0.05, (checkpoint_bytes(plan), saved)

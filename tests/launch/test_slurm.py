@@ -11,40 +11,31 @@ import time
 
 import pytest
 
-import qwentitan.launch.launcher.plan as plan_module
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.plan_file import load_plan, save_plan
 from qwentitan.launch.launcher.slurm import SlurmOptions, render_sbatch, write_sbatch
 from qwentitan.launch.runtime.preemption import STOPPED_EXIT
 
-
-@pytest.fixture(autouse=True)
-def torchtitan_recipes(monkeypatch):
-    monkeypatch.setattr(plan_module, "RECIPES_MODULE", "torchtitan.models.qwen3.config_registry")
+pytestmark = pytest.mark.usefixtures("torchtitan_recipes")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_node_plan():
-    recipes, plan_module.RECIPES_MODULE = (
-        plan_module.RECIPES_MODULE,
-        "torchtitan.models.qwen3.config_registry",
-    )
-    try:
-        return resolve_plan(
-            "qwen3_debugmodel",
+    return resolve_plan(
+        RunRequest(
+            recipe="qwen3_debugmodel",
             instance="trn2.48xlarge",
             nodes=2,
             seq_len=2048,
             tp=4,
-            activation_checkpoint="full",
+            ac="full",
             max_restarts=2,
             steps=10,
-            dump_folder="run",
-            extra_overrides=["--checkpoint.enable"],  # a stop is resumable, so requeued
+            run_dir="run",
+            overrides=("--checkpoint.enable",),  # a stop is resumable, so requeued
         )
-    finally:
-        plan_module.RECIPES_MODULE = recipes
+    )
 
 
 def _srun_command(script: str) -> list[str]:

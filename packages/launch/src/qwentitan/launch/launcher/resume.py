@@ -83,20 +83,21 @@ def check_resumable(
     model: Shapes,
     recipe: str,
     *,
-    folder_flag: str = "--run-dir",
-    fresh: str = "start fresh without --resume",
+    fresh: str | None = None,
     data_ranks: int | None = None,
 ) -> int:
     """The step torchtitan will resume in `folder`; LaunchError if its checkpoint is unusable.
 
-    `model` is `state_shapes(config)`. The refusals name `folder_flag` (the command's flag for
-    the run folder) and `fresh` (how that command starts a run from scratch).
+    `model` is `state_shapes(config)`. `fresh`: how to start from scratch instead, naming
+    request fields as `{field}` (default: leave `resume` out).
     """
+    fresh = fresh or "start fresh without {resume}"
     steps = saved_steps(folder)
     if not steps:
         raise LaunchError(
-            f"There is no checkpoint to resume in {folder}; run once without --resume first, "
-            f"or pass the {folder_flag} of an earlier run."
+            f"There is no checkpoint to resume in {folder}; run once without {{resume}} first, "
+            "or pass the {run_dir} of an earlier run.",
+            field="resume",
         )
     latest = folder / f"step-{steps[-1]}"
     damage = _damage(latest)
@@ -109,21 +110,23 @@ def check_resumable(
             if earlier is not None
             else fresh
         )
-        raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.")
+        raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.", field="resume")
     saved_ranks = _data_ranks(latest)
     if data_ranks is not None and saved_ranks and saved_ranks != data_ranks:
         # torchtitan keeps one data position per data-parallel rank and refuses another count
         # deep in the load ("dp_degree is inconsistent").
         raise LaunchError(
             f"{latest} was saved by {saved_ranks} data-parallel ranks but this run has "
-            f"{data_ranks}; resume it with {saved_ranks} data-parallel ranks (e.g. --ranks "
-            f"{saved_ranks}), or pass another {folder_flag} to start fresh."
+            f"{data_ranks}; resume it with {saved_ranks} data-parallel ranks (e.g. "
+            f"{{ranks_per_node}} {saved_ranks}), or pass another {{run_dir}} to start fresh.",
+            field="ranks_per_node",
         )
     mismatch = _mismatch(latest, model)
     if mismatch is not None:
         raise LaunchError(
-            f"{latest} {mismatch}, so it is another model's checkpoint; pass the {folder_flag} of "
-            f"a {recipe} run, or another {folder_flag} to start fresh."
+            f"{latest} {mismatch}, so it is another model's checkpoint; pass the {{run_dir}} of "
+            f"a {recipe} run, or another {{run_dir}} to start fresh.",
+            field="run_dir",
         )
     return steps[-1]
 

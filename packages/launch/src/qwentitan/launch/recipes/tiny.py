@@ -19,6 +19,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 
+from qwentitan.kernels import KernelChoices
 from qwentitan.launch.base.target import Target
 from qwentitan.launch.recipes import recipe_info
 from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
@@ -37,7 +38,7 @@ def metrics_config(recipe: str = "", path: str = "") -> MetricsProcessor.Config:
     return tracked_metrics(recipe, path)
 
 
-def tiny_model(flavor: str, path: str, target: Target):
+def tiny_model(flavor: str, path: str, target: Target, kernels: KernelChoices | None = None):
     """The tiny model as it trains on `target` (the config's `model_for`)."""
     # The Target names the attention that trains there (SDPA on CPU: FlexAttention has no CPU
     # backward). torchtitan computes MoE experts in bfloat16, which a CPU only emulates; in
@@ -47,6 +48,7 @@ def tiny_model(flavor: str, path: str, target: Target):
         path,
         attn_backend=target.attention,
         float32_experts=target.device_type == "cpu",
+        kernels=kernels,
     )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, non_negative, port, whole_number
-from qwentitan.launch.launcher.plan_cli import add_plan_arguments, plan_from_args
+from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, port, whole_number
+from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags, plan_from_args
 from qwentitan.launch.launcher.slurm import (
     DEFAULT_PORT,
     LOG_FILE_OVERRIDES,
@@ -24,7 +24,12 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_plan_arguments(parser)
+    add_request_flags(
+        parser,
+        (*SHARED, "max_restarts"),
+        defaults={"resume": "auto", "max_restarts": 3},
+        required=("recipe",),
+    )
     parser.add_argument(
         "--output", "-o", default=None, help="script path (default <recipe>.sbatch)"
     )
@@ -37,9 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"first rendezvous port: a job uses this plus its job id modulo {PORT_SPAN}",
     )
     parser.add_argument(
-        "--max-restarts", type=non_negative, default=3, help="torchrun restarts per node"
-    )
-    parser.add_argument(
         "--grace-seconds",
         type=whole_number(0, MAX_SIGNAL_SECONDS),
         default=120,
@@ -48,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    args.overrides = [*(args.overrides or []), *LOG_FILE_OVERRIDES]
-    plan = plan_from_args(args, max_restarts=args.max_restarts)
+    # the ranks' output goes to a log file, not a terminal
+    plan = plan_from_args(args, overrides=(*(args.overrides or ()), *LOG_FILE_OVERRIDES))
     options = SlurmOptions(
         partition=args.partition,
         time=args.time,
