@@ -16,6 +16,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from qwentitan.launch.launcher.resume import saved_steps
+from qwentitan.launch.runtime.preemption import STOPPED_EXIT
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +87,8 @@ def test_sigkill_restarts_from_the_last_checkpoint_sigint_stops_with_one_and_res
     tmp_path,
 ):
     """One launch, two faults: SIGKILL of a rank makes torchrun restart the group from the newest
-    checkpoint; then SIGINT to `run` checkpoints at the next step boundary and exits cleanly;
+    checkpoint; then SIGINT to `run` checkpoints at the next step boundary and exits 75
+    (stopped, not finished);
     a second launch resumes from that checkpoint and runs exactly the remaining steps."""
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoint"
@@ -103,7 +105,8 @@ def test_sigkill_restarts_from_the_last_checkpoint_sigint_stops_with_one_and_res
         )
         restarted = first.read_text().index("Loading the checkpoint from")
         # A step trained after the restart, then the launcher alone gets a Ctrl-C (SIGINT), which
-        # the ranks treat like SIGTERM: a checkpoint at the next step boundary, then exit 0.
+        # the ranks treat like SIGTERM: a checkpoint at the next step boundary, then exit 0; `run`
+        # exits STOPPED_EXIT, so a scheduler can tell the stop from the end.
         wait_for(lambda: logged_steps(first.read_text()[restarted:]), 400, "a step", proc)
         os.kill(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=300)
@@ -111,7 +114,7 @@ def test_sigkill_restarts_from_the_last_checkpoint_sigint_stops_with_one_and_res
         if proc.poll() is None:
             proc.kill()
     text = first.read_text()
-    assert code == 0, text[-4000:]
+    assert code == STOPPED_EXIT, text[-4000:]
     # torchrun restarted the group once (its own "failed (exitcode: -9)" line is dropped by our
     # agent); the new ranks of this fresh run loaded the newest checkpoint (on the interval) and
     # went on from the step after it.

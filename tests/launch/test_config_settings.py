@@ -119,7 +119,7 @@ def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch,
 
     started: list[list[str]] = []
 
-    def fake_supervise(command, env):
+    def fake_supervise(command, env, **_):
         started.append(list(command))
         return 0
 

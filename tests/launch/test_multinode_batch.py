@@ -10,6 +10,7 @@ import pytest
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher import cli
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
+from qwentitan.launch.launcher.slurm import LOG_FILE_OVERRIDES
 
 
 def accumulation(plan) -> int:
@@ -77,7 +78,7 @@ def test_readme_example_writes_the_script_and_every_node_resolves_the_same_plan(
     assert "4 nodes x 64 ranks" in capsys.readouterr().out
     script = (tmp_path / "job.sbatch").read_text()
     joined = script.replace("\\\n", " ")
-    srun = next(line for line in joined.splitlines() if "qwentitan-launch run" in line)
+    srun = next(line for line in joined.splitlines() if "launcher.cli run" in line)
     words = shlex.split(srun)
     node_args = words[words.index("run") :]
     assert node_args[:2] == ["run", "--plan"]
@@ -89,7 +90,13 @@ def test_readme_example_writes_the_script_and_every_node_resolves_the_same_plan(
     assert cli.main([*node_args, "--dry-run"]) == 0
     printed = capsys.readouterr().out
     expected = resolve_plan(
-        RunRequest(recipe="qwen3_4b_native", nodes=4, rdzv_endpoint="head:29500", max_restarts=3)
+        RunRequest(
+            recipe="qwen3_4b_native",
+            nodes=4,
+            rdzv_endpoint="head:29500",
+            max_restarts=3,
+            overrides=LOG_FILE_OVERRIDES,  # what `slurm` adds: its ranks log to a file
+        )
     )
     assert f"global {expected.global_batch}," in printed
     assert expected.command() in printed

@@ -481,7 +481,7 @@ def test_plan_and_train_pick_the_same_instance_on_a_trn2_host(
     neuron()
     assert default_instance("tiny_dense") == host_target() == "trn2.48xlarge"
     launched = []
-    monkeypatch.setattr(preemption, "supervise", lambda argv, env: launched.append(argv) or 0)
+    monkeypatch.setattr(preemption, "supervise", lambda argv, env, **_: launched.append(argv) or 0)
     run_dir = str(tmp_path.resolve() / "run")
     size = ["--recipe", "tiny_dense", "--seq-len", "512", "--run-dir", run_dir]
     assert cli.main(["plan", *size, "--json"]) == 0

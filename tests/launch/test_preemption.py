@@ -10,6 +10,7 @@ import time
 import pytest
 
 from qwentitan.launch.runtime.preemption import (
+    STOPPED_EXIT,
     PreemptionWatch,
     ignore_sigusr1,
     ranks_of,
@@ -88,8 +89,10 @@ def test_agent_ignores_sigusr1_only(tmp_path):
     assert probe.stdout.split() == ["False", "True"]
 
 
-def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path):
-    """A fake agent (ignoring signals, as torchrun is started) with one rank that checkpoints."""
+@pytest.mark.parametrize("stopped_exit", [0, STOPPED_EXIT])
+def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path, stopped_exit):
+    """A fake agent (ignoring signals, as torchrun is started) with one rank that checkpoints;
+    `run` asks for STOPPED_EXIT when the ranks stopped on a signal, `train` for 0."""
     marker = tmp_path / "checkpointed"
     rank = tmp_path / "rank.py"
     rank.write_text(
@@ -115,7 +118,8 @@ def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path):
             sys.executable,
             "-c",
             "import sys, os; from qwentitan.launch.runtime.preemption import supervise; "
-            f"sys.exit(supervise([sys.executable, {str(agent)!r}], dict(os.environ)))",
+            f"sys.exit(supervise([sys.executable, {str(agent)!r}], dict(os.environ), "
+            f"stopped_exit={stopped_exit}))",
         ]
     )
     deadline = time.time() + 60
@@ -123,7 +127,7 @@ def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path):
         assert time.time() < deadline, "rank never started"
         time.sleep(0.1)
     supervisor.send_signal(signal.SIGTERM)
-    assert supervisor.wait(timeout=60) == 0
+    assert supervisor.wait(timeout=60) == stopped_exit
     assert marker.read_text() == "saved"
 
 
@@ -186,6 +190,49 @@ def test_a_rank_stuck_between_step_boundaries_is_ended_by_a_pending_signal():
         "Stopped by SIGTERM while loading data: no step boundary came within 0.2 s, so this step "
         "was not saved; --resume continues from the last checkpoint.\n"
     )
+
+
+def test_a_signal_that_came_while_the_rank_started_waits_for_the_first_step():
+    """The overdue wait counts from the first data read after the signal, not from the signal:
+    a SLURM time limit at the start of a job is honoured after step 1, not ended in step 1."""
+    script = textwrap.dedent(
+        """
+        import os, signal, time
+        from qwentitan.launch.runtime.preemption import PreemptionWatch, stop_if_overdue
+        watch = PreemptionWatch().install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.5)  # building the model: longer than the overdue wait below
+        stop_if_overdue("loading data", seconds=0.2)
+        print(watch.stop_requested(), flush=True)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "SIGUSR1 received: checkpointing and exiting\n"
+
+
+def test_a_rank_stopping_on_usr1_survives_more_usr1_as_it_exits():
+    """The sbatch script passes the time limit's USR1 on every 2 s until the step ends; Python
+    resets its handlers to the default as it exits, which would let one of them kill the rank
+    after its checkpoint (and torchrun restart it)."""
+    script = textwrap.dedent(
+        """
+        import os, signal, subprocess
+        from qwentitan.launch.runtime.preemption import PreemptionWatch
+        watch = PreemptionWatch().install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print(watch.stop_requested(), flush=True)
+        spam = f"for i in $(seq 3000); do kill -USR1 {os.getpid()} || exit; sleep 0.002; done"
+        subprocess.Popen(["bash", "-c", spam], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "SIGUSR1 received: checkpointing and exiting\n"
 
 
 def test_reading_data_asks_whether_a_stop_is_overdue(tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(train_in_process, tmp_path
     from qwentitan.launch.runtime import preemption
 
     launched = []
-    monkeypatch.setattr(preemption, "supervise", lambda argv, env: launched.append(argv) or 0)
+    monkeypatch.setattr(preemption, "supervise", lambda argv, env, **_: launched.append(argv) or 0)
     assert cli.main(["train", *tiny[:2], "--steps", "2", "--resume"]) == 0
     assert launched[0][launched[0].index("--dump-folder") + 1] == str(second)
 

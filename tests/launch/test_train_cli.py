@@ -60,7 +60,9 @@ def launched(monkeypatch):
     from qwentitan.launch.runtime import preemption
 
     calls = []
-    monkeypatch.setattr(preemption, "supervise", lambda argv, env: calls.append((argv, env)) or 0)
+    monkeypatch.setattr(
+        preemption, "supervise", lambda argv, env, **_: calls.append((argv, env)) or 0
+    )
     return calls
 
 

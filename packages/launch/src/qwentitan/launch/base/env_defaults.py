@@ -38,6 +38,8 @@ LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
 VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"
 COMPILER_FLAGS = "NEURON_CC_FLAGS"
 COMPILE_CACHE = "TORCH_NEURONX_NEFF_CACHE_DIR"
+# The c10d rendezvous id of this job, over the plan's (the sbatch script sets the SLURM job's).
+RDZV_ID = "QWENTITAN_RDZV_ID"
 MLFLOW_RUN_ID = "MLFLOW_RUN_ID"  # MLflow's own: the run a preflight report attaches to
 CACHE = "QWENTITAN_CACHE"
 DEFAULT_STORE = "mlflow.db"

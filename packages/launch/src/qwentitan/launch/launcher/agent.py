@@ -10,7 +10,8 @@ explained, 1 for a crash or a signal). torchrun's own line for that failure ("fa
 (exitcode: N) ...") is dropped, since this one replaces it. A SIGTERM to the agent itself (SLURM
 signalling every process, or the launcher dying: its PR_SET_PDEATHSIG) makes torchrun pass it
 to the ranks, which checkpoint, and then raise `SignalException`: that too ends in one line
-(exit code 128 + the signal) instead of its traceback.
+(exit code 128 + the signal) instead of its traceback. `$QWENTITAN_RDZV_ID`, when set, is the
+rendezvous id instead of the plan's (the sbatch script sets its job's: two jobs never share one).
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from qwentitan.launch.base.env_defaults import RDZV_ID, shell
+
     for name, start in _REPLACED:
         logging.getLogger(name).addFilter(_Replaced(start))
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args.rdzv_id = shell().get(RDZV_ID) or args.rdzv_id
     try:
-        run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+        run(args)
     except SignalException as stopped:
         print(
             f"qwentitan-launch: the torchrun agent got {stopped.sigval.name} and stopped the "

@@ -68,8 +68,9 @@ def check_before_start(plan: LaunchPlan, request: RunRequest, *, folder_given: b
     run_folder.check_free_disk(plan)
 
 
-def launch(plan: LaunchPlan) -> int:
-    """This node's torchrun agent for the plan, every signal forwarded to its ranks."""
+def launch(plan: LaunchPlan, *, stopped_exit: int = 0) -> int:
+    """This node's torchrun agent for the plan, every signal forwarded to its ranks; its exit
+    code, or `stopped_exit` when the ranks stopped on a signal (`supervise`)."""
     from qwentitan.launch.runtime import preemption
 
-    return preemption.supervise(plan.launch_argv(), plan.rank_env())
+    return preemption.supervise(plan.launch_argv(), plan.rank_env(), stopped_exit=stopped_exit)

@@ -46,8 +46,11 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # What the launcher passes on to the ranks; SIGHUP (terminal closed) becomes SIGTERM there.
 FORWARDED = {**{sig: sig for sig in PREEMPTION_SIGNALS}, signal.SIGHUP: signal.SIGTERM}
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# A signal still pending this long after it arrived means the rank is stuck between two step
-# boundaries (reading data, validating); `stop_if_overdue` then ends it at once. A step of the
+# `supervise(..., stopped_exit=STOPPED_EXIT)`: the ranks stopped on a signal with a checkpoint
+# (not at their last step, unless the signal came during it). sysexits' EX_TEMPFAIL: try again.
+STOPPED_EXIT = 75
+# A signal still pending this long in a loop between two step boundaries means the rank is stuck
+# there (reading data, validating); `stop_if_overdue` then ends it at once. A step of the
 # tiny recipes takes about a second on a CPU; torchrun's agent SIGKILLs 30 s after a SIGTERM.
 OVERDUE_SECONDS = 20.0
 _active: PreemptionWatch | None = None
@@ -59,7 +62,7 @@ class PreemptionWatch:
     def __init__(self, signals: Sequence[signal.Signals] = PREEMPTION_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
-        self.received_at = 0.0
+        self.overdue_from: float | None = None  # see stop_if_overdue
         self._previous: dict[signal.Signals, object] = {}
 
     def install(self) -> PreemptionWatch:
@@ -88,9 +91,12 @@ class PreemptionWatch:
             )
             os._exit(128 + signal.SIGINT)
         # Only a flag: the step in flight finishes, collectives stay matched across ranks.
-        if self.received is None:
-            self.received_at = time.monotonic()
         self.received = signal.Signals(signum)
+        if signum == signal.SIGUSR1:
+            # One is enough. Python resets its handlers to the default as it exits, so a later
+            # USR1 (the sbatch script passes the time limit's on every 2 s) would kill the rank
+            # after its checkpoint, and torchrun would restart it.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
     def stop_requested(self, device: torch.device | str = "cpu") -> str | None:
         """The reason to stop now, agreed by every rank (one tiny all-reduce), or None."""
@@ -107,11 +113,17 @@ class PreemptionWatch:
 
 def stop_if_overdue(where: str, *, seconds: float = OVERDUE_SECONDS) -> None:
     """Called from loops between step boundaries: end this rank at once (one line, exit code
-    128 + signal) if the installed watch's signal has waited `seconds` for a boundary."""
+    128 + signal) if the installed watch's signal has waited `seconds` for a boundary.
+
+    The wait counts from the first such call after the signal: one that came while the rank was
+    still starting (a SLURM time limit at the start of a short job) is honoured after step 1."""
     watch = _active
     if watch is None or watch.received is None:
         return
-    if time.monotonic() - watch.received_at < seconds:
+    now = time.monotonic()
+    if watch.overdue_from is None:
+        watch.overdue_from = now
+    if now - watch.overdue_from < seconds:
         return
     name = watch.received.name
     os.write(
@@ -219,8 +231,17 @@ class SignalForwarder:
         return code
 
 
-def supervise(argv: Sequence[str], env: dict[str, str], *, poll_seconds: float = 0.2) -> int:
+def supervise(
+    argv: Sequence[str],
+    env: dict[str, str],
+    *,
+    poll_seconds: float = 0.2,
+    stopped_exit: int = 0,
+) -> int:
     """Run torchrun (`argv`) as this process's only child, passing every signal this process
-    gets on to the ranks, until the agent exits; its exit code (see the module doc)."""
+    gets on to the ranks, until the agent exits; its exit code (see the module doc), or
+    `stopped_exit` when it ended well after a signal was passed on (the ranks checkpointed and
+    stopped: `run` tells that apart from a finished run, so a scheduler can start it again)."""
     with SignalForwarder(ranks_of, poll_seconds=poll_seconds) as forwarder:
-        return forwarder.run(argv, env)
+        code = forwarder.run(argv, env)
+    return stopped_exit if code == 0 and forwarder.received else code

@@ -66,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     from qwentitan.launch.launcher.start import check_before_start, launch
+    from qwentitan.launch.runtime.preemption import STOPPED_EXIT
 
     # a plan file's inputs were checked where it was written; its run folder is named in it
     request = request_from_args(args, recipe=plan.recipe)
     check_before_start(plan, request, folder_given=True)
-    return launch(plan)
+    # A stop on a signal (checkpoint saved) is not success: the scheduler may start it again.
+    return launch(plan, stopped_exit=STOPPED_EXIT)

@@ -6,13 +6,19 @@ import argparse
 
 from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, port, whole_number
 from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags, plan_from_args
-from qwentitan.launch.launcher.slurm import DEFAULT_PORT, SlurmOptions, write_sbatch
+from qwentitan.launch.launcher.slurm import (
+    DEFAULT_PORT,
+    LOG_FILE_OVERRIDES,
+    PORT_SPAN,
+    SlurmOptions,
+    write_sbatch,
+)
 
 NAME = "slurm"
 HELP = (
     "Resolve the plan once and write it (<script>.plan.json) with an sbatch script: one torchrun "
     "agent per node through srun running exactly that plan, c10d rendezvous on the first node, "
-    "USR1 before the time limit for a checkpoint. "
+    "USR1 before the time limit for a checkpoint and a requeue. "
     "Not run on a Trainium cluster."
 )
 
@@ -29,17 +35,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--partition", help="SLURM partition")
     parser.add_argument("--time", help="SLURM time limit, e.g. 04:00:00")
-    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="rendezvous port")
+    parser.add_argument(
+        "--port",
+        type=port,
+        default=DEFAULT_PORT,
+        help=f"first rendezvous port: a job uses this plus its job id modulo {PORT_SPAN}",
+    )
     parser.add_argument(
         "--grace-seconds",
         type=whole_number(0, MAX_SIGNAL_SECONDS),
         default=120,
-        help="USR1 this long before the time limit",
+        help="USR1 this long before the time limit: checkpoint, then requeue",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_from_args(args)
+    # the ranks' output goes to a log file, not a terminal
+    plan = plan_from_args(args, overrides=(*(args.overrides or ()), *LOG_FILE_OVERRIDES))
     options = SlurmOptions(
         partition=args.partition,
         time=args.time,
