@@ -1,0 +1,117 @@
+"""Every mesh, one curve: the same recipe, seed and global batch give the same step-0 weights
+and the same documents in every step's global batch, whatever the layout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+from qwentitan.launch.runtime.data import TextDataLoader, qwen_tokenizer_folder
+
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return HuggingFaceTokenizer(tokenizer_path=str(qwen_tokenizer_folder()))
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data") / "data.jsonl"
+    lines = [json.dumps({"text": f"document {i} " + "word " * (i % 7)}) for i in range(60)]
+    data.write_text("\n".join(lines) + "\n")
+    return str(data)
+
+
+def _loaders(documents, qwen, ranks, local):
+    return [
+        TextDataLoader.Config(dataset=documents).build(
+            dp_world_size=ranks, dp_rank=r, tokenizer=qwen, seq_len=8, local_batch_size=local
+        )
+        for r in range(ranks)
+    ]
+
+
+def _steps(iterators, local, ranks, steps):
+    """The windows of each step: every rank's microbatches, as torchtitan's loop takes them."""
+    accumulation = GLOBAL_BATCH // (local * ranks)
+    taken = []
+    for _ in range(steps):
+        windows = []
+        for _ in range(accumulation):
+            for it in iterators:
+                inputs, _labels = next(it)
+                windows += [tuple(row.tolist()) for row in inputs["input"]]
+        taken.append(sorted(windows))
+    return taken
+
+
+@pytest.mark.parametrize(("ranks", "local"), [(2, 2), (4, 2), (2, 4), (4, 1)])
+def test_each_step_reads_the_same_windows_for_any_data_parallel_degree(
+    documents, qwen, ranks, local
+):
+    one = _steps([iter(_loaders(documents, qwen, 1, 2)[0])], 2, 1, steps=3)
+    many = _steps(
+        [iter(loader) for loader in _loaders(documents, qwen, ranks, local)], local, ranks, 3
+    )
+    assert many == one
+    assert len({w for step in one for w in step}) == 3 * GLOBAL_BATCH  # no window twice
+
+
+def test_a_run_resumes_its_data_position_with_another_data_parallel_degree(documents, qwen):
+    two = _loaders(documents, qwen, 2, 2)
+    iterators = [iter(loader) for loader in two]
+    _steps(iterators, 2, 2, steps=1)
+    saved = [loader.state_dict() for loader in two]
+    assert saved[0] == saved[1]  # one position for all ranks, saved once under one key
+    resumed = _loaders(documents, qwen, 1, 2)[0]
+    resumed.load_state_dict(saved[0])
+    straight = _steps([iter(_loaders(documents, qwen, 1, 2)[0])], 2, 1, steps=3)
+    assert _steps([iter(resumed)], 2, 1, steps=2) == straight[1:]
+
+
+@pytest.fixture(scope="module")
+def initial_weights(tmp_path_factory):
+    """The initial weights of tiny-dense under FSDP 2 and TP 2 on two gloo ranks, with
+    qwentitan's init and with torchtitan's own (`whole_init_ranks.py`), by file name."""
+    out = tmp_path_factory.mktemp("initial-weights")
+    ranks = Path(__file__).with_name("whole_init_ranks.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(ranks), str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {file.stem: torch.load(file) for file in out.glob("*.pt")}
+
+
+@pytest.fixture(scope="module")
+def one_rank_weights():
+    """tiny-dense initialised by torchtitan on one rank (no DTensor), seeded as the ranks are."""
+    from qwentitan.modeling import model_spec
+
+    with torch.device("meta"):
+        model = model_spec("tiny-dense").model.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=None)
+    return dict(model.named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_every_layout_starts_from_the_weights_of_one_rank(
+    initial_weights, one_rank_weights, layout
+):
+    ours = initial_weights[f"{layout}-qwentitan"]
+    assert ours.keys() == one_rank_weights.keys()
+    for name, weight in one_rank_weights.items():
+        assert torch.equal(ours[name], weight), name
+    # torchtitan's own init on this CPU mesh: each rank draws its shard from the same seed
+    theirs = initial_weights[f"{layout}-torchtitan"]
+    assert not all(torch.equal(theirs[n], w) for n, w in one_rank_weights.items())
