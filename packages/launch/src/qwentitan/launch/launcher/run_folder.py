@@ -174,7 +174,6 @@ def check_checkpoints(
         plan.recipe,
         folder_flag=folder_flag,
         fresh=fresh or f"pass another {folder_flag} to start fresh",
-        data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
     )
     if step >= plan.steps:
         raise LaunchError(
