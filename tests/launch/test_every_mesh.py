@@ -115,3 +115,79 @@ def test_every_layout_starts_from_the_weights_of_one_rank(
     # torchtitan's own init on this CPU mesh: each rank draws its shard from the same seed
     theirs = initial_weights[f"{layout}-torchtitan"]
     assert not all(torch.equal(theirs[n], w) for n, w in one_rank_weights.items())
+
+
+def _refused(recipe, *overrides, **plan):
+    from qwentitan.launch.base.errors import LaunchError
+    from qwentitan.launch.launcher.plan import resolve_plan
+
+    with pytest.raises(LaunchError) as refused:
+        resolve_plan(
+            recipe, instance="cpu", ranks_per_node=2, extra_overrides=list(overrides), **plan
+        )
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "layout", "flag"),
+    [
+        ("--parallelism.tensor-parallel-degree", "TP 2", "--tp 1"),
+        ("--parallelism.pipeline-parallel-degree", "PP 2", "--pp 1"),
+        (
+            "--parallelism.context-parallel-degree",
+            "CP 2",
+            "--parallelism.context-parallel-degree 1",
+        ),
+    ],
+)
+def test_the_hf_path_shards_with_fsdp_only_and_says_so_at_plan_time(override, layout, flag):
+    message = _refused("tiny_hf", override, "2")
+    assert f"not {layout}; pass {flag}," in message and "native-path recipe" in message
+
+
+def test_context_parallelism_is_refused_on_cpu():
+    message = _refused("tiny_dense", "--parallelism.context-parallel-degree", "2")
+    assert "does not train on CPU" in message
+    assert message.endswith("pass --parallelism.context-parallel-degree 1 here.")
+
+
+def test_pipeline_parallelism_needs_untied_embeddings():
+    message = _refused("tiny_dense", "--parallelism.pipeline-parallel-degree", "2")
+    assert "ties its input embedding to its output head" in message and "--pp 1" in message
+    from qwentitan.launch.launcher.plan import resolve_plan
+
+    untied = resolve_plan(
+        "tiny_moe", instance="cpu", ranks_per_node=2,
+        extra_overrides=["--parallelism.pipeline-parallel-degree", "2"],
+    )  # fmt: skip
+    # the console shows the last stage's first rank, the only one with the loss
+    assert "--local-ranks-filter=1" in untied.torchrun_args()
+
+
+def test_expert_parallelism_spelled_as_extra_ranks_names_the_layout_it_means():
+    from torchtitan.config import ParallelismConfig
+
+    from qwentitan.launch.base.errors import LaunchError
+    from qwentitan.launch.base.target import get_topology
+    from qwentitan.launch.launcher.plan_rules import resolve_degrees
+
+    four = get_topology("p4d.24xlarge", ranks_per_node=4)
+    wrong = ParallelismConfig(data_parallel_shard_degree=2, expert_parallel_degree=2)
+    with pytest.raises(LaunchError, match=r"borrows its ranks from FSDP x CP x TP") as refused:
+        resolve_degrees(wrong, 4, four)
+    assert "pass --fsdp 4 --ep 2" in str(refused.value)
+    right = ParallelismConfig(data_parallel_shard_degree=4, expert_parallel_degree=2)
+    assert resolve_degrees(right, 4, four).expert_parallel == 2
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_the_console_rank_is_torchtitans_metrics_rank_on_its_node(schedule):
+    from qwentitan.launch.launcher.plan_rules import ParallelDegrees, console_rank
+
+    pp2 = ParallelDegrees(data_parallel_shard=2, pipeline_parallel=2)
+    last = 0 if schedule == "ZBVZeroBubble" else 2  # V schedules end on the first rank
+    assert console_rank(pp2, schedule, ranks_per_node=4) == last
+    assert console_rank(ParallelDegrees(data_parallel_shard=4), schedule, 4) == 0
+    # 2 nodes x 4, PP 4: the last stage starts at rank 6, local rank 2 of the second node
+    pp4 = ParallelDegrees(data_parallel_shard=2, pipeline_parallel=4)
+    assert console_rank(pp4, "1F1B", ranks_per_node=4) == 2
