@@ -191,3 +191,33 @@ def test_the_console_rank_is_torchtitans_metrics_rank_on_its_node(schedule):
     # 2 nodes x 4, PP 4: the last stage starts at rank 6, local rank 2 of the second node
     pp4 = ParallelDegrees(data_parallel_shard=2, pipeline_parallel=4)
     assert console_rank(pp4, "1F1B", ranks_per_node=4) == 2
+
+
+def test_aws_reference_run_plans_as_its_tutorial_defines_it():
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.recipes import recipe_info
+
+    plan = resolve_plan("qwen3_8b_tp4_fsdp16_sac").to_dict()
+    assert plan["topology"]["instance"] == "trn2.48xlarge" and plan["world_size"] == 64
+    assert plan["parallelism"] == {
+        "fsdp": 16,
+        "dp_replicate": 1,
+        "tp": 4,
+        "cp": 1,
+        "pp": 1,
+        "ep": 1,
+    }
+    assert plan["activation_checkpoint"] == "selective" and not plan["config"]["compile"]
+    assert (plan["seq_len"], plan["local_batch"], plan["global_batch"]) == (4096, 1, 16)
+    assert plan["model"]["flavor"] == "qwen3-8b" and plan["config"]["initial_load_in_hf"]
+    memory = plan["memory_per_rank"]
+    assert memory["available_gib"] == 24.0 and memory["fits"]
+    assert recipe_info("qwen3_8b_tp4_fsdp16_sac").hub_model == "Qwen/Qwen3-8B"
+
+
+def test_the_cpu_twin_has_the_same_mesh_shape():
+    from qwentitan.launch.launcher.plan import resolve_plan
+
+    plan = resolve_plan("tiny_tp2_fsdp2_sac", instance="cpu", ranks_per_node=2)
+    assert plan.degrees.tensor_parallel == 2 and plan.activation_checkpoint == "selective"
+    assert plan.global_batch == 8  # pinned: the same windows on 2 or 4 ranks
