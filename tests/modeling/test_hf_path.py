@@ -225,15 +225,7 @@ def test_torchtitans_activation_checkpointing_wraps_the_transformers_layers(toke
     assert spec.post_optimizer_build_fn is None  # nothing to balance in transformers' MoE
     with torch.no_grad():
         before = model(tokens)
-    parallelize_hf_qwen3(
-        model,
-        parallel_dims=SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False),
-        training=TrainingConfig(),
-        parallelism=ParallelismConfig(),
-        compile_config=SimpleNamespace(enable=False, components=[]),
-        ac_config=FullAC.Config(),
-        dump_folder="",
-    )
+    _checkpointed(model, FullAC.Config())
     assert all(type(layer).__name__ == "CheckpointWrapper" for layer in model.layers)
     model.train()
     logits = model(tokens)
@@ -242,9 +234,8 @@ def test_torchtitans_activation_checkpointing_wraps_the_transformers_layers(toke
     assert model.model.model.embed_tokens.weight.grad is not None
 
 
-def _grads_under(ac_config, tokens, positions):
-    torch.manual_seed(3)  # the same initial weights under each policy
-    _, model = _build("tiny-dense")
+def _checkpointed(model, ac_config):
+    """`parallelize_hf_qwen3` on one rank: activation checkpointing only."""
     parallelize_hf_qwen3(
         model,
         parallel_dims=SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False),
@@ -254,6 +245,12 @@ def _grads_under(ac_config, tokens, positions):
         ac_config=ac_config,
         dump_folder="",
     )
+
+
+def _grads_under(ac_config, tokens, positions):
+    torch.manual_seed(3)  # the same initial weights under each policy
+    _, model = _build("tiny-dense")
+    _checkpointed(model, ac_config)
     model.train()
     model(tokens, positions=positions).square().mean().backward()
     return {name: p.grad for name, p in model.named_parameters()}

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from functools import partial
+from typing import Any
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -95,6 +96,17 @@ def _loss(flavor: str) -> ChunkedLossWrapper.Config:
     return ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab))
 
 
+def _from_folder(folder: str, **settings: Any) -> CheckpointManager.Config:
+    """Checkpoints on, the run starting from the model weights of the HF folder `folder`."""
+    return CheckpointManager.Config(
+        enable=True,
+        initial_load_path=folder,
+        initial_load_in_hf=True,
+        initial_load_model_only=True,
+        **settings,
+    )
+
+
 def qwen3_4b_hf() -> Trainer.Config:
     """Transformers v5 Qwen3-4B-Instruct-2507 from its local folder, fine-tuned 10 steps.
 
@@ -115,12 +127,9 @@ def qwen3_4b_hf() -> Trainer.Config:
         ),
         activation_checkpoint=FullAC.Config(),
         compile=CompileConfig(enable=False),
-        checkpoint=CheckpointManager.Config(
-            enable=True,
+        checkpoint=_from_folder(
+            folder,
             interval=10,
-            initial_load_path=folder,
-            initial_load_in_hf=True,
-            initial_load_model_only=True,
             last_save_in_hf=True,
             last_save_model_only=True,
             export_dtype="bfloat16",
@@ -189,11 +198,5 @@ def qwen3_8b_tp4_fsdp16_sac() -> Trainer.Config:
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1, tensor_parallel_degree=4),
         activation_checkpoint=SelectiveAC.Config(),
         compile=CompileConfig(enable=False),
-        checkpoint=CheckpointManager.Config(
-            enable=True,
-            interval=500,
-            initial_load_path=folder,
-            initial_load_in_hf=True,
-            initial_load_model_only=True,
-        ),
+        checkpoint=_from_folder(folder, interval=500, last_save_model_only=False),
     )
