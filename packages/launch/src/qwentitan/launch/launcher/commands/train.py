@@ -146,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
         validator = plan.config.validator
         check_dataset(
             resolve_dataset(args.dataset),
-            data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
             holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
             validating=bool(validator.enable),
         )
