@@ -50,12 +50,18 @@ def tiny_model(flavor: str, path: str, target: Target):
     # The Target names the attention that trains there (SDPA on CPU: FlexAttention has no CPU
     # backward). torchtitan computes MoE experts in bfloat16, which a CPU only emulates; in
     # float32 they also match the kernel experts closely enough for the pilot to compare paths.
-    return model_spec(
+    spec = model_spec(
         get_flavor(flavor),
         path,
         attn_backend=target.attention,
         float32_experts=target.device_type == "cpu",
     )
+    if target.backend == "gloo" and get_flavor(flavor).is_moe:
+        # gloo's all-to-all takes uneven token splits only in its single-tensor form
+        from qwentitan.modeling.gloo_dispatch import with_gloo_token_dispatch
+
+        with_gloo_token_dispatch(spec.model)
+    return spec
 
 
 def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
