@@ -66,9 +66,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(name=f"tests-{TRN2_PYTHON}", python=_interpreter(TRN2_PYTHON))
 def tests_trn2_python(session: nox.Session) -> None:
-    """The CPU rehearsal on the trn2 host's Python: the launch and modeling tests (those marked
-    slow are left to the 3.11 run) and a 10-step tiny training."""
-    _sync(session, "--all-packages", "--group", "test")
+    """The CPU rehearsal on the trn2 host's Python with the Neuron SDK's torch and the AWS guide's
+    Transformers (the `neuron-pair` group: torch 2.14.0, transformers 5.16.0; the other sessions
+    run the lock's newest): the launch and modeling tests (those marked slow are left to the
+    3.11 run) and a 10-step tiny training."""
+    _sync(session, "--all-packages", "--group", "test", "--group", "neuron-pair")
     session.run(
         "python", "-m", "pytest", "tests/launch", "tests/modeling", "-m", "not slow",
         "-p", "no:cacheprovider", *session.posargs,
@@ -167,40 +169,59 @@ def mlflow_ui(session: nox.Session) -> None:
 def train_trn2(session: nox.Session) -> None:
     """A trn2.48xlarge recipe: `-- --recipe qwen3_4b_hf|qwen3_4b_native|qwen3_moe_kernels [--dry-run]`.
 
-    On a trn2 host (`--neuron-venv DIR`, default the Neuron DLAMI's venv when it exists) it first
-    installs qwentitan into DIR, never touching its torch, torch-neuronx, neuronx-cc or nki
-    (scripts/neuron_venv.py), then runs `qwentitan-launch run` with DIR's Python; `--dry-run`
-    installs too and prints the plan, `--install-only` stops after the install. Without a Neuron
-    venv it prints the plan from this workspace's environment and fails with one sentence (the
-    CLI exits 2) unless `--dry-run`.
+    On a trn2 host (`--neuron-venv V`, default the Neuron DLAMI's venv when it exists) it first
+    installs qwentitan into an environment of its own, `--env E` (default .venv-trn2 here), that
+    sees V's packages and holds only what V lacks, writing nothing into V
+    (scripts/neuron_venv.py; `--stand-in` accepts a rehearsal venv without the Neuron SDK's
+    torch or torch-neuronx; `--shadow NAME` lets E hold its own NAME where qwentitan needs
+    another version than V's), then runs `qwentitan-launch run` with E's Python; `--dry-run`
+    installs too and prints the plan, `--install-only` stops after the install. Without a
+    Neuron venv it prints the plan from this workspace's environment and fails with one sentence
+    (the CLI exits 2) unless `--dry-run`.
     Untested on Trainium: nothing in this repository has run there.
     """
-    venv, args = _neuron_venv(list(session.posargs))
+    args = list(session.posargs)
+    venv, args = _take_value(args, "--neuron-venv")
+    env, args = _take_value(args, "--env")
+    stand_in = "--stand-in" in args
+    args = [a for a in args if a != "--stand-in"]
+    shadow: list[str] = []
+    while (name := _take_value(args, "--shadow"))[0] is not None:
+        shadow.append(name[0])
+        args = name[1]
+    if venv is None and Path(NEURON_SDK["DLAMI_VENV"]).is_dir():
+        venv = NEURON_SDK["DLAMI_VENV"]
     if not any(a == "--instance" or a.startswith("--instance=") for a in args):
         args += ["--instance", "trn2.48xlarge"]
-    if venv is None and "--install-only" in args:
-        session.error("--install-only installs into a Neuron venv; pass --neuron-venv DIR.")
+    if venv is None and ("--install-only" in args or env or stand_in or shadow):
+        session.error("--install-only, --env, --stand-in and --shadow need --neuron-venv V.")
     if venv is None:
         _sync(session, "--all-packages")
         session.run("qwentitan-launch", "run", *args)
         return
+    env = str(Path(env or TRN2_ENV).absolute())
     session.run(
-        sys.executable, "scripts/neuron_venv.py", "--venv", venv, external=True,
+        sys.executable, "scripts/neuron_venv.py", "--venv", venv, "--env", env,
+        *(["--stand-in"] * stand_in), *[a for n in shadow for a in ("--shadow", n)],
+        external=True,
     )  # fmt: skip
     if "--install-only" in args:
         return
-    python = str(Path(venv).absolute() / "bin" / "python")
+    python = str(Path(env) / "bin" / "python")
     session.run(python, "-m", "qwentitan.launch.launcher.cli", "run", *args, external=True)
 
 
-def _neuron_venv(args: list[str]) -> tuple[str | None, list[str]]:
-    """`--neuron-venv DIR` taken out of the arguments, else the DLAMI's venv when it exists."""
+# qwentitan's own environment on the trn2 host, beside the Neuron venv (README, "On the trn2 host").
+TRN2_ENV = Path(__file__).parent / ".venv-trn2"
+
+
+def _take_value(args: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """`flag VALUE` (or `flag=VALUE`) taken out of the arguments: (VALUE or None, the rest)."""
     for i, arg in enumerate(args):
-        if arg == "--neuron-venv":
+        if arg == flag:
             if i + 1 == len(args) or args[i + 1].startswith("-"):
-                raise SystemExit("train_trn2: --neuron-venv needs the venv's folder.")
+                raise SystemExit(f"train_trn2: {flag} needs a value.")
             return args[i + 1], args[:i] + args[i + 2 :]
-        if arg.startswith("--neuron-venv="):
+        if arg.startswith(flag + "="):
             return arg.split("=", 1)[1], args[:i] + args[i + 1 :]
-    dlami = Path(NEURON_SDK["DLAMI_VENV"])
-    return (str(dlami) if dlami.is_dir() else None), args
+    return None, args

@@ -23,7 +23,7 @@ import pytest
 from mlflow import MlflowClient
 
 from qwentitan.launch.launcher.cli import main as launch_main
-from qwentitan.launch.launcher.pilot import run_pilot, runs_url
+from qwentitan.launch.launcher.pilot import pilot_request, run_pilot, runs_url
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, read_spool
 
 pytestmark = pytest.mark.slow
@@ -115,12 +115,13 @@ def test_two_cpu_ranks_against_an_unreachable_server_then_sync(
 # Small enough for CI (the pilot's own default is 20 steps of 4 x 128 tokens per rank). Two
 # ranks: a gradient scaled by the world size on one path (the hf path's old FSDP division)
 # shows only with more than one.
-PILOT = {"steps": 8, "ranks": 2, "seq_len": 64, "local_batch_size": 2}
+PILOT = {"steps": 8, "ranks_per_node": 2, "seq_len": 64, "local_batch_size": 2}
 CHILDREN = {"hf", "native", "native-moe", "moe-kernels"}
 
 
 def test_the_pilots_pairs_agree_and_the_ui_opens_on_their_comparison(tmp_path, mlflow_ui):
-    pilot = run_pilot(**PILOT, run_dir=tmp_path / "pilot", tracking_uri=mlflow_ui)
+    request = pilot_request(**PILOT, run_dir=str(tmp_path / "pilot"))
+    pilot = run_pilot(request, tracking_uri=mlflow_ui)
     # Every path trains, logs and agrees before anything here may skip for want of a browser.
     assert pilot.failed == [], pilot.failed
     assert set(pilot.children) == CHILDREN
@@ -185,10 +186,10 @@ def test_the_pilots_pairs_agree_and_the_ui_opens_on_their_comparison(tmp_path, m
 def test_a_perturbed_weight_fails_the_pilot_at_its_first_step(tmp_path):
     """The check can fail: native starts from its pair's checkpoint with one weight scaled."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    pilot = run_pilot(
-        steps=1, ranks=1, seq_len=32, local_batch_size=1, run_dir=tmp_path / "pilot",
-        tracking_uri=uri, pairs=["dense"], perturb="native",
-    )  # fmt: skip
+    request = pilot_request(
+        steps=1, ranks_per_node=1, seq_len=32, local_batch_size=1, run_dir=str(tmp_path / "pilot")
+    )
+    pilot = run_pilot(request, tracking_uri=uri, pairs=["dense"], perturb="native")
     assert pilot.failed == []
     (dense,) = pilot.pairs
     assert dense.first_over == 1 and not pilot.passed

@@ -127,67 +127,61 @@ def test_expert_tokens_cross_gloo_ranks_in_uneven_splits(on_two_ranks):
     assert "invalid tensor size" in zero["gloo_lists"]  # why torchtitan's exchange fails here
 
 
-def _refused(recipe, *overrides, **plan):
-    from qwentitan.launch.base.errors import LaunchError
-    from qwentitan.launch.launcher.plan import resolve_plan
+def _refused(capsys, *argv):
+    """`qwentitan-launch plan ARGV` on this host's 2 ranks: its one-sentence refusal."""
+    from qwentitan.launch.launcher import cli
 
-    with pytest.raises(LaunchError) as refused:
-        resolve_plan(
-            recipe, instance="cpu", ranks_per_node=2, extra_overrides=list(overrides), **plan
-        )
-    return str(refused.value)
+    assert cli.main(["plan", "--ranks", "2", *argv]) == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and "Traceback" not in message
+    return message.removeprefix("qwentitan-launch plan: ")
 
 
 @pytest.mark.parametrize(
-    ("override", "layout", "flag"),
+    ("layout_flags", "layout", "fix"),
     [
-        ("--parallelism.tensor-parallel-degree", "TP 2", "--tp 1"),
-        ("--parallelism.pipeline-parallel-degree", "PP 2", "--pp 1"),
+        (["--tp", "2"], "TP 2", "--tp 1"),
+        (["--pp", "2"], "PP 2", "--pp 1"),
         (
-            "--parallelism.context-parallel-degree",
+            ["--", "--parallelism.context-parallel-degree", "2"],
             "CP 2",
             "--parallelism.context-parallel-degree 1",
         ),
     ],
 )
-def test_the_hf_path_shards_with_fsdp_only_and_says_so_at_plan_time(override, layout, flag):
-    message = _refused("tiny_hf", override, "2")
-    assert f"not {layout}; pass {flag}," in message and "native-path recipe" in message
+def test_the_hf_path_shards_with_fsdp_only_and_says_so_at_plan_time(
+    capsys, layout_flags, layout, fix
+):
+    message = _refused(capsys, "--recipe", "tiny_hf", *layout_flags)
+    assert f"not {layout}; pass {fix}," in message and "native-path recipe" in message
 
 
-def test_context_parallelism_is_refused_on_cpu():
-    message = _refused("tiny_dense", "--parallelism.context-parallel-degree", "2")
+def test_context_parallelism_is_refused_on_cpu(capsys):
+    message = _refused(
+        capsys, "--recipe", "tiny_dense", "--", "--parallelism.context-parallel-degree", "2"
+    )
     assert "does not train on CPU" in message
     assert message.endswith("pass --parallelism.context-parallel-degree 1 here.")
 
 
-def test_pipeline_parallelism_needs_untied_embeddings():
-    message = _refused("tiny_dense", "--parallelism.pipeline-parallel-degree", "2")
+def test_pipeline_parallelism_needs_untied_embeddings(capsys):
+    message = _refused(capsys, "--recipe", "tiny_dense", "--pp", "2")
     assert "ties its input embedding to its output head" in message and "--pp 1" in message
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
-    untied = resolve_plan(
-        "tiny_moe", instance="cpu", ranks_per_node=2,
-        extra_overrides=["--parallelism.pipeline-parallel-degree", "2"],
-    )  # fmt: skip
+    untied = resolve_plan(RunRequest(recipe="tiny_moe", instance="cpu", ranks_per_node=2, pp=2))
     # the console shows the last stage's first rank, the only one with the loss
     assert "--local-ranks-filter=1" in untied.torchrun_args()
 
 
-def test_expert_parallelism_spelled_as_extra_ranks_names_the_layout_it_means():
-    from torchtitan.config import ParallelismConfig
+def test_expert_parallelism_spelled_as_extra_ranks_names_the_layout_it_means(capsys):
+    message = _refused(capsys, "--recipe", "tiny_moe", "--ranks", "4", "--fsdp", "2", "--ep", "2")
+    assert "borrows its ranks from FSDP x CP x TP" in message
+    assert "pass --fsdp 4 --ep 2" in message
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
-    from qwentitan.launch.base.errors import LaunchError
-    from qwentitan.launch.base.target import get_topology
-    from qwentitan.launch.launcher.plan_rules import resolve_degrees
-
-    four = get_topology("p4d.24xlarge", ranks_per_node=4)
-    wrong = ParallelismConfig(data_parallel_shard_degree=2, expert_parallel_degree=2)
-    with pytest.raises(LaunchError, match=r"borrows its ranks from FSDP x CP x TP") as refused:
-        resolve_degrees(wrong, 4, four)
-    assert "pass --fsdp 4 --ep 2" in str(refused.value)
-    right = ParallelismConfig(data_parallel_shard_degree=4, expert_parallel_degree=2)
-    assert resolve_degrees(right, 4, four).expert_parallel == 2
+    right = RunRequest(recipe="tiny_moe", instance="cpu", ranks_per_node=4, fsdp=4, ep=2)
+    assert resolve_plan(right).degrees.expert_parallel == 2
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
@@ -204,10 +198,10 @@ def test_the_console_rank_is_torchtitans_metrics_rank_on_its_node(schedule):
 
 
 def test_aws_reference_run_plans_as_its_tutorial_defines_it():
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.recipes import recipe_info
 
-    plan = resolve_plan("qwen3_8b_tp4_fsdp16_sac").to_dict()
+    plan = resolve_plan(RunRequest(recipe="qwen3_8b_tp4_fsdp16_sac")).to_dict()
     assert plan["topology"]["instance"] == "trn2.48xlarge" and plan["world_size"] == 64
     assert plan["parallelism"] == {
         "fsdp": 16,
@@ -226,8 +220,9 @@ def test_aws_reference_run_plans_as_its_tutorial_defines_it():
 
 
 def test_the_cpu_twin_has_the_same_mesh_shape():
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
-    plan = resolve_plan("tiny_tp2_fsdp2_sac", instance="cpu", ranks_per_node=2)
-    assert plan.degrees.tensor_parallel == 2 and plan.activation_checkpoint == "selective"
+    plan = resolve_plan(RunRequest(recipe="tiny_tp2_fsdp2_sac", instance="cpu", ranks_per_node=4))
+    assert (plan.degrees.tensor_parallel, plan.degrees.data_parallel_shard) == (2, 2)
+    assert plan.activation_checkpoint == "selective"
     assert plan.global_batch == 8  # pinned: the same windows on 2 or 4 ranks

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from qwentitan.launch.launcher.memory import ModelShape, estimate_memory
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
 MARGIN = 0.35
 
@@ -73,8 +73,7 @@ MEASURE = textwrap.dedent(
 def test_estimate_matches_measured_peak_of_tiny_recipe(tmp_path):
     overrides = ["--training.steps", "2", "--dump-folder", str(tmp_path / "run"), "--checkpoint.no-enable",
                  "--target", "cpu"]  # fmt: skip
-    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1, steps=2,
-                        dump_folder=str(tmp_path / "run"))  # fmt: skip
+    plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=1, steps=2, run_dir=str(tmp_path / "run")))  # fmt: skip
     script = tmp_path / "measure.py"
     script.write_text(MEASURE)
     env = dict(

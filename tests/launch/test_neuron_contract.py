@@ -145,16 +145,15 @@ def test_trn2_plans_name_no_core_range(recipe, capsys):
 
 
 def test_a_core_range_in_the_shell_is_refused_in_one_sentence():
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
     with pytest.raises(LaunchError, match=r"^NEURON_RT_VISIBLE_CORES=0-63 .* unset it"):
-        resolve_plan("qwen3_4b_native", shell={"NEURON_RT_VISIBLE_CORES": "0-63"})
+        resolve_plan(
+            RunRequest(recipe="qwen3_4b_native"), shell={"NEURON_RT_VISIBLE_CORES": "0-63"}
+        )
     # One core is what a user pins on purpose for a one-rank run; it is passed through.
     one = resolve_plan(
-        "tiny_dense",
-        instance="trn2.48xlarge",
-        ranks_per_node=1,
-        seq_len=512,
+        RunRequest(recipe="tiny_dense", instance="trn2.48xlarge", ranks_per_node=1, seq_len=512),
         shell={"NEURON_RT_VISIBLE_CORES": "5"},
     )
     assert one.rank_env({"NEURON_RT_VISIBLE_CORES": "5"})["NEURON_RT_VISIBLE_CORES"] == "5"
@@ -265,10 +264,10 @@ def test_every_spelling_of_the_compiler_lnc_is_read(flags, lnc):
 
 
 def test_a_conflicting_short_lnc_flag_is_refused():
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
     with pytest.raises(LaunchError, match="NEURON_CC_FLAGS sets --lnc=1"):
-        resolve_plan("qwen3_4b_native", shell={"NEURON_CC_FLAGS": "-O1 -lnc 1"})
+        resolve_plan(RunRequest(recipe="qwen3_4b_native"), shell={"NEURON_CC_FLAGS": "-O1 -lnc 1"})
 
 
 # finding 10 (and 6 in preflight): the one-step compile smoke
@@ -294,11 +293,11 @@ def _smoke_runner(seconds: float, fallback: list[str] | None):
 
 
 def test_compile_smoke_reports_the_first_step_time(monkeypatch):
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
     monkeypatch.delenv("QWENTITAN_MLFLOW", raising=False)  # MLflow on by default
-    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+    plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=1))
     runner = _smoke_runner(312.5, None)
     result = checks.check_compile_smoke(plan, runner=runner)
     assert result.status == "pass" and result.figures["first_step_s"] == 312.5
@@ -314,10 +313,10 @@ def test_compile_smoke_reports_the_first_step_time(monkeypatch):
 
 
 def test_compile_smoke_fails_a_step_that_falls_back_unless_allowed(monkeypatch):
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
-    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+    plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=1))
     runner = _smoke_runner(5.0, ["aten::nonzero"])
     failed = checks.check_compile_smoke(plan, runner=runner)
     assert failed.status == "fail" and "aten::nonzero" in failed.detail
@@ -327,22 +326,24 @@ def test_compile_smoke_fails_a_step_that_falls_back_unless_allowed(monkeypatch):
 
 
 def test_compile_smoke_fails_when_the_step_fails():
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
-    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+    plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=1))
     result = checks.check_compile_smoke(plan, runner=lambda command, env: 1)
     assert result.status == "fail" and "exit code 1" in result.detail
 
 
 def test_compile_smoke_is_skipped_off_the_target_host():
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
     def never(command, env):
         raise AssertionError("no step may run on a host that is not the target")
 
-    result = checks.check_compile_smoke(resolve_plan("qwen3_4b_native"), runner=never)
+    result = checks.check_compile_smoke(
+        resolve_plan(RunRequest(recipe="qwen3_4b_native")), runner=never
+    )
     assert result.status == "skip" and "neuron" in result.detail
 
 
@@ -367,10 +368,12 @@ def test_fallback_tags_reach_the_mlflow_run(neuron, tmp_path):
 @pytest.mark.slow
 def test_compile_smoke_trains_one_real_step_on_this_cpu_host():
     """The whole route once: torchrun, our Trainer timing step 1 and writing its report."""
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
-    plan = resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1, seq_len=64)
+    plan = resolve_plan(
+        RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=1, seq_len=64)
+    )
     result = checks.check_compile_smoke(plan)
     assert result.status == "pass", result.detail
     assert 0 < result.figures["first_step_s"] <= result.figures["wall_s"]
@@ -436,10 +439,10 @@ def test_the_kernels_check_launches_on_the_neuron_device_and_names_the_route(
     """No neuron tensors exist here: the ops' numbers come from this CPU, while the device the
     check asks for and the route it names are what a Neuron host with this torch-neuronx gets."""
     from qwentitan.kernels import numerics
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.preflight import checks
 
-    plan = resolve_plan("qwen3_moe_kernels")
+    plan = resolve_plan(RunRequest(recipe="qwen3_moe_kernels"))
     fake = neuron()
     fake.__version__ = version  # the release SDK 2.33 documents, or the April 2026 source
     if wrap_nki:
@@ -458,3 +461,35 @@ def test_the_kernels_check_launches_on_the_neuron_device_and_names_the_route(
     assert result.status == "pass" and "on neuron" in result.detail
     assert result.detail.startswith(f"rope {route} 0.00e+00, grouped_experts {route} ")
     assert {f["route"] for f in result.figures.values()} == {route}
+
+
+# issue 29: one probe of the host for `plan` and `train`
+
+
+def test_plan_and_train_pick_the_same_instance_on_a_trn2_host(
+    neuron, monkeypatch, tmp_path, capsys
+):
+    """A recipe that names no instance plans for this host's Target, by the probe `train` and
+    every rank use: on a Neuron host a trn2.48xlarge (plan used to pick the CPU)."""
+    import json
+
+    from qwentitan.launch.launcher import cli
+    from qwentitan.launch.launcher.plan import default_instance
+    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.runtime.platforms import host_target
+
+    neuron()
+    assert default_instance("tiny_dense") == host_target() == "trn2.48xlarge"
+    launched = []
+    monkeypatch.setattr(preemption, "supervise", lambda argv, env: launched.append(argv) or 0)
+    run_dir = str(tmp_path.resolve() / "run")
+    size = ["--recipe", "tiny_dense", "--seq-len", "512", "--run-dir", run_dir]
+    assert cli.main(["plan", *size, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["topology"]["instance"] == "trn2.48xlarge" and planned["world_size"] == 64
+    assert cli.main(["train", *size]) == 0
+    (train_argv,) = launched
+    assert train_argv[3:] == planned["torchrun"][1:]  # the very line, trn2 placement included
+    assert (
+        "--target" in train_argv and train_argv[train_argv.index("--target") + 1] == "trn2.48xlarge"
+    )

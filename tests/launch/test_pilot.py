@@ -18,6 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.target import cpu_cores
 from qwentitan.launch.launcher.pilot import (
     PAIRS,
     compare,
@@ -28,8 +29,9 @@ from qwentitan.launch.launcher.pilot import (
 )
 from qwentitan.launch.launcher.pilot.__main__ import main as pilot_main
 from qwentitan.launch.launcher.pilot.plot import plot_losses
-from qwentitan.launch.launcher.pilot.run import _train
+from qwentitan.launch.launcher.pilot.run import pilot_request
 from qwentitan.launch.launcher.plan import load_config
+from qwentitan.launch.runtime.preemption import SignalForwarder
 from qwentitan.launch.tracking.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MlflowTarget
 from qwentitan.modeling import initial_checkpoint
 
@@ -110,7 +112,8 @@ def test_the_picture_is_a_png_written_whole(tmp_path):
 def test_the_pilot_refuses_bad_choices_before_anything_trains(tmp_path, kwargs, message):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(LaunchError, match=message):
-        run_pilot(steps=1, ranks=1, run_dir=tmp_path / "pilot", tracking_uri=uri, **kwargs)
+        request = pilot_request(steps=1, ranks_per_node=1, run_dir=str(tmp_path / "pilot"))
+        run_pilot(request, tracking_uri=uri, **kwargs)
     assert not (tmp_path / "pilot").exists() and not (tmp_path / "mlflow.db").exists()
 
 
@@ -132,14 +135,18 @@ def test_experiments_are_marked_model_training_unless_they_say_otherwise(tmp_pat
     [
         (["--optimizer.lr", "1e-3"], "Unrecognized options: --optimizer.lr, 1e-3; perhaps you "
          "meant --optimizer.param-groups.0.optimizer-kwargs.lr"),
-        (["--checkpoint.initial_load_in_hf"], "Error parsing checkpoint: initial_load_in_hf "
-         "requires initial_load_model_only."),
+        (["--checkpoint.initial_load_in_hf"], ": initial_load_in_hf requires "
+         "initial_load_model_only."),
+        (["--training.dtype", "float8"], ": --training.dtype takes one of bfloat16, float32, not "
+         "'float8'"),
+        (["--training.steps"], ": --training.steps needs a value"),
     ],
 )  # fmt: skip
-def test_torchtitans_refusal_is_said_in_its_own_words(overrides, said):
+def test_torchtitans_refusal_is_one_sentence_of_ours(capsys, overrides, said):
     with pytest.raises(LaunchError) as refused:
         load_config("tiny_dense", overrides)
     assert str(refused.value).endswith(said)
+    assert capsys.readouterr() == ("", "")  # tyro's own box never reaches the terminal
 
 
 def _saving_child(saved, started):
@@ -181,8 +188,10 @@ def sigint_ignored():
 def test_ctrl_c_to_the_pilot_lets_the_child_save_once_then_stops(tmp_path, sigint_ignored):
     saved, started = tmp_path / "saved", tmp_path / "started"
     _ctrl_c_once_started(started, os.getpid())
-    with pytest.raises(KeyboardInterrupt):
-        _train([sys.executable, "-c", _saving_child(saved, started)])
+    # the pilot's own forwarding of a child `train`: to the child itself, then stop
+    forwarder = SignalForwarder(lambda child: [child], interrupting=True)
+    with pytest.raises(KeyboardInterrupt), forwarder:
+        forwarder.run([sys.executable, "-c", _saving_child(saved, started)])
     assert saved.read_text() == "saved after 1 signal(s)"  # passed on once, not twice
 
 
@@ -198,11 +207,12 @@ def test_ctrl_c_stops_the_whole_pilot_and_ends_its_parent_killed(
         return real_popen([sys.executable, "-c", _saving_child(saved, started)], **kwargs)
 
     monkeypatch.setattr(pilot_run, "_start_checkpoint", lambda folder, *_: folder)
-    monkeypatch.setattr(pilot_run.subprocess, "Popen", fake_train)
+    monkeypatch.setattr(subprocess, "Popen", fake_train)
     _ctrl_c_once_started(started, os.getpid())
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(KeyboardInterrupt):
-        run_pilot(2, 1, tmp_path / "pilot", uri, experiment="ctrl-c", pairs=["dense"])
+        request = pilot_request(steps=2, ranks_per_node=1, run_dir=str(tmp_path / "pilot"))
+        run_pilot(request, uri, experiment="ctrl-c", pairs=["dense"])
     assert started.read_text() == "started\n"  # no later child started
     assert saved.read_text() == "saved after 1 signal(s)"
     client = MlflowClient(uri)
@@ -210,16 +220,27 @@ def test_ctrl_c_stops_the_whole_pilot_and_ends_its_parent_killed(
     assert parent.info.status == "KILLED"
 
 
-def test_more_ranks_than_the_host_holds_is_refused_before_anything_is_written(tmp_path, capsys):
+def test_a_child_plan_that_cannot_run_is_refused_before_anything_is_written(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert (
-        pilot_main(["--ranks", "9999", "--run-dir", str(tmp_path / "p"), "--tracking-uri", uri])
-        == 2
-    )
+    argv = ["--ranks", "9999", "--run-dir", str(tmp_path / "p"), "--tracking-uri", uri]
+    assert pilot_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("qwentitan-launch pilot: --ranks 9999 is more than this")
-    assert err.count("\n") == 1
+    # the children's plans are resolved first: 9999 CPU ranks leave each too little memory
+    assert err.startswith("qwentitan-launch pilot: Recipe 'tiny_hf' needs about")
+    assert err.endswith(f"pass --ranks {cpu_cores()} or fewer.\n") and err.count("\n") == 1
     assert os.listdir(tmp_path) == []
+
+
+def test_the_pilot_hands_each_child_its_layout(tmp_path):
+    from qwentitan.launch.launcher.pilot.run import CHILD_FIELDS
+    from qwentitan.launch.launcher.plan_cli import request_argv
+
+    request = pilot_request(tp=2, ac="selective", run_dir=str(tmp_path), overrides=("--x", "1"))
+    argv = request_argv(request.replace(recipe="tiny_moe"), CHILD_FIELDS)
+    assert argv == [
+        "--recipe", "tiny_moe", "--ranks-per-node", "2", "--tp", "2", "--ac", "selective",
+        "--steps", "20", "--run-dir", str(tmp_path), "--", "--x", "1",
+    ]  # fmt: skip
 
 
 def test_a_safetensors_write_on_a_full_disk_is_one_sentence(tmp_path, monkeypatch, capsys):

@@ -7,19 +7,16 @@ import pytest
 import qwentitan.launch.launcher.plan as plan_module
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.environment import check_shell
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.plan_cli import describe
 
-
-@pytest.fixture(autouse=True)
-def torchtitan_recipes(monkeypatch):
-    monkeypatch.setattr(plan_module, "RECIPES_MODULE", "torchtitan.models.qwen3.config_registry")
+pytestmark = pytest.mark.usefixtures("torchtitan_recipes")
 
 
-def plan(recipe="qwen3_debugmodel", **kw):
+def plan(recipe="qwen3_debugmodel", shell=None, **kw):
     kw.setdefault("instance", "trn2.48xlarge")
     kw.setdefault("seq_len", 2048)
-    return resolve_plan(recipe, **kw)
+    return resolve_plan(RunRequest(recipe=recipe, **kw), shell=shell)
 
 
 def test_fsdp_over_all_64_ranks_by_default():
@@ -53,7 +50,7 @@ def test_two_nodes_double_the_world_and_add_efa():
 
 
 def test_torchrun_line_passes_recipe_and_overrides_to_the_trainer():
-    p = plan(tp=4, local_batch=2, activation_checkpoint="full")
+    p = plan(tp=4, local_batch_size=2, ac="full")
     args = p.torchrun_args()
     entry = args.index("-m")
     assert args[entry + 1] == plan_module.TRAIN_ENTRY
@@ -68,17 +65,19 @@ def test_torchrun_line_passes_recipe_and_overrides_to_the_trainer():
     ("kw", "match"),
     [
         ({"fsdp": 8, "tp": 4}, r"FSDP 8 x TP 4 .* = 32 is not the world size of 64 ranks"),
-        ({"tp": 3}, r"= 3 does not divide the world size of 64 ranks.*--tp"),
-        ({"lnc": 3}, r"LNC 3 is not valid on trn2.48xlarge.*--lnc 2"),
-        ({"seq_len": 1000}, r"--seq-len 1000 is not a multiple of 512.*--seq-len 1024"),
-        ({"instance": "g5.xlarge"}, r"Unknown instance 'g5.xlarge'.*--instance"),
-        ({"ep": 2}, r"no experts.*drop --ep"),
+        ({"tp": 3}, r"= 3 does not divide the world size of 64 ranks.*choose tp dividing"),
+        ({"lnc": 3}, r"LNC 3 is not valid on trn2.48xlarge.*pass lnc 2"),
+        ({"seq_len": 1000}, r"seq_len 1000 is not a multiple of 512.*pass seq_len 1024"),
+        ({"instance": "g5.xlarge"}, r"Unknown instance 'g5.xlarge'.*with instance"),
+        ({"ep": 2}, r"no experts.*drop ep"),
     ],
 )
 def test_wrong_combinations_are_refused_in_one_sentence(kw, match):
     with pytest.raises(LaunchError, match=match) as info:
         plan(**kw)
     assert "\n" not in str(info.value)
+    # the refusal names the request field it is about (the command line says its flag)
+    assert info.value.field in kw
 
 
 def test_neuron_seq_len_follows_the_nki_attention_kernels_at_any_lnc():
@@ -89,19 +88,20 @@ def test_neuron_seq_len_follows_the_nki_attention_kernels_at_any_lnc():
 
 
 def test_unknown_recipe_is_refused():
-    with pytest.raises(LaunchError, match=r"Unknown recipe 'nope'.*--recipe"):
+    with pytest.raises(LaunchError, match=r"Unknown recipe 'nope'.*with recipe"):
         plan("nope")
 
 
 def test_memory_refusal_names_the_knob():
     # torchtitan's 32B recipe on one trn2: weights dominate, so more shards is the knob.
-    with pytest.raises(LaunchError, match=r"needs about .* GiB per rank .* 24.0 GiB.*--nodes 2"):
+    with pytest.raises(LaunchError, match=r"needs about .* GiB per rank .* 24.0 GiB.*nodes 2"):
         plan("qwen3_32b", seq_len=None)
     # It fits on two nodes (128 shards).
     assert plan("qwen3_32b", seq_len=None, nodes=2, rdzv_endpoint="h:1").memory.fits
-    # Activations dominate without checkpointing: the knob is --ac full.
-    with pytest.raises(LaunchError, match="--ac full"):
-        plan("qwen3_14b", seq_len=8192, nodes=2, rdzv_endpoint="h:1", activation_checkpoint="none")
+    # Activations dominate without checkpointing: the knob is full activation checkpointing.
+    with pytest.raises(LaunchError, match="with ac full") as info:
+        plan("qwen3_14b", seq_len=8192, nodes=2, rdzv_endpoint="h:1", ac="none")
+    assert info.value.field == "ac"
 
 
 def test_moe_recipe_accepts_expert_parallelism_dividing_fsdp():
@@ -138,10 +138,10 @@ def test_visible_cores_in_the_shell_are_refused_for_several_ranks_per_node(visib
 
 
 def test_compile_on_neuron_gets_the_neuron_backend_and_refuses_others():
-    p = plan(extra_overrides=["--compile.enable"])
+    p = plan(overrides=("--compile.enable",))
     assert p.config.compile.backend == "neuron"
     assert p.overrides[-2:] == ["--compile.backend", "neuron"]
     assert "backend neuron" in describe(p)
     with pytest.raises(LaunchError, match=r"^Compile backend 'inductor' does not target trn2"):
-        plan(extra_overrides=["--compile.enable", "--compile.backend", "inductor"])
+        plan(overrides=("--compile.enable", "--compile.backend", "inductor"))
     assert plan(instance="cpu", seq_len=None).config.compile.enable is False

@@ -7,7 +7,7 @@ import pytest
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher import cli
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
 
 def refusal(capsys, argv: list[str]) -> str:
@@ -55,21 +55,28 @@ def test_stop_after_must_fall_between_the_resumed_step_and_the_last(tmp_path):
     saved = tmp_path / "checkpoint" / "step-20"
     saved.mkdir(parents=True)
     (saved / ".metadata").write_bytes(b"")
-    plan = dict(instance="cpu", dump_folder=str(tmp_path), resume="latest")
-    with pytest.raises(LaunchError, match=r"^--stop-after 20 is not after step 20, where the run"):
-        resolve_plan("tiny_dense", stop_after=20, **plan)
-    with pytest.raises(LaunchError, match=r"^--stop-after 40 is not before the last step 40"):
-        resolve_plan("tiny_dense", stop_after=40, **plan)
-    assert resolve_plan("tiny_dense", stop_after=21, **plan).config.stop_after == 21
+    plan = dict(instance="cpu", run_dir=str(tmp_path), resume="latest")
+    with pytest.raises(LaunchError, match=r"^stop_after 20 is not after step 20, where the run"):
+        resolve_plan(RunRequest(recipe="tiny_dense", stop_after=20, **plan))
+    with pytest.raises(LaunchError, match=r"^stop_after 40 is not before the last step 40"):
+        resolve_plan(RunRequest(recipe="tiny_dense", stop_after=40, **plan))
+    assert (
+        resolve_plan(RunRequest(recipe="tiny_dense", stop_after=21, **plan)).config.stop_after == 21
+    )
     # the same rule for the value given as a torchtitan override
-    with pytest.raises(LaunchError, match=r"^--stop-after 5 is not after step 20"):
-        resolve_plan("tiny_dense", extra_overrides=["--stop-after", "5"], **plan)
+    with pytest.raises(LaunchError, match=r"^stop_after 5 is not after step 20"):
+        resolve_plan(RunRequest(recipe="tiny_dense", overrides=["--stop-after", "5"], **plan))
     # a fresh run resumes nothing
-    assert resolve_plan("tiny_dense", stop_after=5, instance="cpu").config.stop_after == 5
+    assert (
+        resolve_plan(
+            RunRequest(recipe="tiny_dense", stop_after=5, instance="cpu")
+        ).config.stop_after
+        == 5
+    )
 
 
 def test_the_device_reaches_the_ranks_as_config(capsys):
-    plan = resolve_plan("tiny_moe", instance="cpu")
+    plan = resolve_plan(RunRequest(recipe="tiny_moe", instance="cpu"))
     words = plan.torchrun_args()
     assert words[words.index("--target") + 1] == "cpu"
     assert plan.config.target == "cpu" and plan.config.training.disable_cuda_graphs

@@ -97,9 +97,9 @@ def test_visible_cores_are_refused_alike_in_plan_run_and_preflight(
 
 
 def test_compile_on_neuron_shows_the_neuron_backend(capsys):
-    assert main(["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]) == 0
+    assert main(["plan", "--recipe", "qwen3_4b_native", "--", "--compile.enable"]) == 0
     out = capsys.readouterr().out
     assert "torch.compile, backend neuron" in out and "--compile.backend neuron" in out
-    args = ["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]
+    args = ["plan", "--recipe", "qwen3_4b_native", "--", "--compile.enable"]
     assert main([*args, "--compile.backend", "inductor"]) == 2
     assert "Compile backend 'inductor' does not target" in capsys.readouterr().err

@@ -70,3 +70,42 @@ def test_cpu_memory_is_the_process_rss():
     assert stats.peak_bytes >= before + 48 * 2**20
     assert module.current_device() == 0 and module.device_count() == 1
     del block
+
+
+def test_the_model_is_built_once_per_placement(monkeypatch):
+    """torchtitan's parser builds the recipe's config, then again with the command line: the
+    model is rebuilt only when the command line places it elsewhere."""
+    from torchtitan.config import ConfigManager
+
+    from qwentitan.launch.recipes import tiny
+
+    built = []
+    real = tiny.model_spec
+    monkeypatch.setattr(tiny, "model_spec", lambda *a, **k: built.append(a) or real(*a, **k))
+    args = ["--module", "qwentitan.launch.recipes", "--config", "tiny_dense", "--target", "cpu"]
+    ConfigManager().parse_args([*args, "--training.steps", "3"])
+    assert len(built) == 1  # this host is a CPU host: the recipe's own build stands
+    built.clear()
+    config = ConfigManager().parse_args([*args[:-1], "cuda"])
+    assert len(built) == 2  # placed elsewhere: built for the CPU, then for CUDA
+    attention = config.model_spec.model.layers[0].attention.inner_attention
+    assert type(attention).__qualname__ == "FlexAttention.Config"
+
+
+def test_kernel_choices_are_a_config_field_whose_default_is_the_environment(monkeypatch):
+    from qwentitan.launch.launcher.plan import load_config
+    from qwentitan.modeling.kernel_path import rules_in
+
+    def routes(config) -> set[str]:
+        return {rule.name for rule in rules_in(config.model_spec.model)}
+
+    monkeypatch.setenv("QWENTITAN_KERNELS", "experts=reference")
+    config = load_config("tiny_moe_kernels", ["--target", "cpu"])
+    assert config.kernels == "experts=reference"
+    assert routes(config) == {"nki_rope", "reference_experts"}
+    monkeypatch.delenv("QWENTITAN_KERNELS")
+    chosen = load_config("tiny_moe_kernels", ["--target", "cpu", "--kernels", "attention=nki"])
+    assert routes(chosen) == {"nki_rope", "nki_attention", "nki_experts"}
+    assert chosen.to_dict()["kernels"] == "attention=nki"  # carried with the config (MLflow)
+    with pytest.raises(LaunchError, match=r"kernels='experts=fast' .* choice in nki"):
+        load_config("tiny_moe_kernels", ["--target", "cpu", "--kernels", "experts=fast"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.preflight import CheckResult, PreflightReport
 from qwentitan.launch.launcher.preflight.checks import check_lnc, check_seq_len, check_versions
 from qwentitan.launch.launcher.preflight.weights import check_weights
@@ -16,12 +16,12 @@ from qwentitan.launch.launcher.preflight.weights import check_weights
 
 @pytest.fixture(scope="module")
 def trn2_plan():
-    return resolve_plan("qwen3_4b_native")
+    return resolve_plan(RunRequest(recipe="qwen3_4b_native"))
 
 
 @pytest.fixture(scope="module")
 def tiny_plan():
-    return resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)
+    return resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=1))
 
 
 def test_report_names_failures_and_skips():
@@ -82,7 +82,7 @@ def test_weights_check_against_the_flavor(tiny_plan, tmp_path):
     other = check_weights(tiny_plan, tmp_path / "other")
     assert other.status == "fail" and "does not hold flavor tiny-dense" in other.detail
     # a MoE folder holds its experts one tensor each, as save_pretrained writes them
-    moe_plan = resolve_plan("tiny_moe", instance="cpu", ranks_per_node=1)
+    moe_plan = resolve_plan(RunRequest(recipe="tiny_moe", instance="cpu", ranks_per_node=1))
     assert check_weights(moe_plan, tmp_path / "other").status == "pass"
     # a damaged file is named by the one folder reader, not reported as a crash
     shard = tmp_path / "good" / "model.safetensors"
@@ -96,7 +96,7 @@ def test_kernels_check_launches_each_op_of_the_recipe_and_names_route_and_differ
     from qwentitan.launch.launcher.preflight.checks import check_kernels
 
     monkeypatch.setenv("QWENTITAN_KERNELS", "attention=reference")  # read when the plan is built
-    plan = resolve_plan("tiny_moe_kernels", instance="cpu", ranks_per_node=1)
+    plan = resolve_plan(RunRequest(recipe="tiny_moe_kernels", instance="cpu", ranks_per_node=1))
     result = check_kernels(plan)
     # Every op the model runs, by the route it takes on this host: the reference twins on cpu.
     assert set(result.figures) == {"rope", "causal_attention", "grouped_experts"}
@@ -104,7 +104,9 @@ def test_kernels_check_launches_each_op_of_the_recipe_and_names_route_and_differ
     assert result.status == "pass" and result.figures["rope"]["max_abs_diff"] == 0.0
     assert result.detail.startswith("rope reference twin 0.00e+00, causal_attention reference twin")
     monkeypatch.delenv("QWENTITAN_KERNELS")
-    default = check_kernels(resolve_plan("tiny_moe_kernels", instance="cpu", ranks_per_node=1))
+    default = check_kernels(
+        resolve_plan(RunRequest(recipe="tiny_moe_kernels", instance="cpu", ranks_per_node=1))
+    )
     assert set(default.figures) == {"rope", "grouped_experts"}, "attention stays torchtitan's"
 
     real = numerics.numerics_report
@@ -117,7 +119,10 @@ def test_kernels_check_launches_each_op_of_the_recipe_and_names_route_and_differ
     failed = check_kernels(plan)
     assert failed.status == "fail" and "5.00e-01" in failed.detail
     assert (
-        check_kernels(resolve_plan("tiny_dense", instance="cpu", ranks_per_node=1)).status == "skip"
+        check_kernels(
+            resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=1))
+        ).status
+        == "skip"
     )
 
 
@@ -126,7 +131,7 @@ def test_init_ops_check_refuses_trunc_normal_on_a_neuron_plan():
 
     from qwentitan.launch.launcher.preflight.init_ops import check_init_ops
 
-    plan = resolve_plan("qwen3_moe_kernels")
+    plan = resolve_plan(RunRequest(recipe="qwen3_moe_kernels"))
     passed = check_init_ops(plan)
     assert passed.status == "pass" and passed.figures["ops"] == ["normal_", "ones_", "zeros_"]
     model = plan.config.model_spec.model
@@ -138,11 +143,11 @@ def test_init_ops_check_refuses_trunc_normal_on_a_neuron_plan():
     assert failed.status == "fail" and "first: lm_head.param_init.weight" in failed.detail
     assert "trunc_normal_" in failed.figures["ops"]
     # Only TorchNeuron mishandles it: a cpu plan passes and says why.
-    tiny = resolve_plan("tiny_moe", instance="cpu", ranks_per_node=1)
+    tiny = resolve_plan(RunRequest(recipe="tiny_moe", instance="cpu", ranks_per_node=1))
     tiny.config.model_spec.model = dataclasses.replace(
         tiny.config.model_spec.model, lm_head=plan.config.model_spec.model.lm_head
     )
     assert check_init_ops(tiny).status == "pass"
     assert "refused on neuron plans only" in check_init_ops(tiny).detail
-    hf = check_init_ops(resolve_plan("qwen3_4b_hf"))
+    hf = check_init_ops(resolve_plan(RunRequest(recipe="qwen3_4b_hf")))
     assert hf.status == "skip" and "transformers" in hf.detail

@@ -111,16 +111,13 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(train_in_process, tmp_path
 
 
 def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted):
-    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.run_folder import checkpoint_bytes
 
     run_dir = uninterrupted[0]
     step = run_dir / "checkpoint" / "step-4"  # the last save: model, optimizer, data state
     saved = sum(f.stat().st_size for f in step.iterdir() if f.is_file())
-    plan = resolve_plan(
-        "tiny_dense", instance="cpu", ranks_per_node=2, seq_len=32, local_batch=1, steps=4,
-        dump_folder=str(run_dir),
-    )  # fmt: skip
+    plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2, seq_len=32, local_batch_size=1, steps=4, run_dir=str(run_dir)))  # fmt: skip
     assert abs(checkpoint_bytes(plan) / saved - 1) < 0.05, (checkpoint_bytes(plan), saved)
 
 
@@ -130,7 +127,7 @@ def test_one_rank_trains_the_two_rank_curve_and_two_ranks_resume_it(uninterrupte
     the two ranks' to float tolerance; its checkpoint resumes on two ranks."""
     _, reference, _, _ = uninterrupted
     run_dir = tmp_path / "one-rank"
-    pinned = ["--", "--training.global-batch-size", "2"]
+    pinned = ["--global-batch-size", "2"]
     first, _, log = train(run_dir, "--ranks", "1", "--stop-after", "2", *pinned)
     assert "dp_shard=1" in log
     second, _, log = train(run_dir, "--resume", *pinned)  # _TINY's two ranks

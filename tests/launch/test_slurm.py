@@ -5,27 +5,25 @@ import subprocess
 
 import pytest
 
-import qwentitan.launch.launcher.plan as plan_module
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.plan_file import load_plan, save_plan
 from qwentitan.launch.launcher.slurm import SlurmOptions, render_sbatch, write_sbatch
 
-
-@pytest.fixture(autouse=True)
-def torchtitan_recipes(monkeypatch):
-    monkeypatch.setattr(plan_module, "RECIPES_MODULE", "torchtitan.models.qwen3.config_registry")
+pytestmark = pytest.mark.usefixtures("torchtitan_recipes")
 
 
 @pytest.fixture
 def two_node_plan():
     return resolve_plan(
-        "qwen3_debugmodel",
-        instance="trn2.48xlarge",
-        nodes=2,
-        seq_len=2048,
-        tp=4,
-        activation_checkpoint="full",
-        max_restarts=2,
+        RunRequest(
+            recipe="qwen3_debugmodel",
+            instance="trn2.48xlarge",
+            nodes=2,
+            seq_len=2048,
+            tp=4,
+            ac="full",
+            max_restarts=2,
+        )
     )
 
 

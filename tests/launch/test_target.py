@@ -14,22 +14,26 @@ from qwentitan.launch.base.target import (
     get_target,
     get_topology,
 )
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.runtime.platforms import get_platform
-from qwentitan.launch.tracking.cost import hourly_price
+from qwentitan.launch.tracking.summary import hourly_price
 
 LAUNCH_SRC = Path(__file__).resolve().parents[2] / "packages" / "launch" / "src" / "qwentitan"
 
 
-def test_cpu_rank_limit_is_one_number_for_train_and_plan():
+def test_the_cpu_host_takes_more_ranks_than_cores_with_a_note():
     limit = cpu_cores()
-    # train --ranks and plan/run --ranks-per-node: the one Target check, naming each its flag
+    # train, plan and the pilot: one Target check, one number
     assert get_platform("cpu").max_ranks == limit == TARGETS["cpu"].max_ranks()
-    assert get_topology("cpu", ranks_per_node=limit).ranks_per_node == limit
-    with pytest.raises(LaunchError, match=rf"^--ranks {limit + 1} is more than this cpu host"):
-        get_topology("cpu", ranks_per_node=limit + 1, ranks_flag="--ranks")
-    with pytest.raises(LaunchError, match=rf"^--ranks-per-node {limit + 1} is more than this cpu"):
-        get_topology("cpu", ranks_per_node=limit + 1)
+    assert get_topology("cpu", ranks_per_node=limit).note is None
+    crowded = get_topology("cpu", ranks_per_node=limit + 2)
+    assert crowded.ranks_per_node == limit + 2
+    assert crowded.note.startswith(f"{limit + 2} ranks share this host's {limit} CPU cores")
+    # an accelerator is not shared: more ranks than it holds is refused, naming the field
+    with pytest.raises(LaunchError, match=r"^ranks_per_node 65 is more than trn2") as info:
+        get_topology("trn2.48xlarge", ranks_per_node=65)
+    assert info.value.field == "ranks_per_node"
+    assert info.value.phrased(lambda field: "--ranks").startswith("--ranks 65 is more")
 
 
 def test_lnc_variable_has_one_reader_and_is_honoured_unless_a_flag_says_else():
@@ -40,10 +44,13 @@ def test_lnc_variable_has_one_reader_and_is_honoured_unless_a_flag_says_else():
     ):
         configured_lnc({LNC_ENV: "two"})
     exported = resolve_plan(
-        "qwen3_4b_native", instance="trn2.48xlarge", shell={LNC_ENV: "1"}, ranks_per_node=64
+        RunRequest(recipe="qwen3_4b_native", instance="trn2.48xlarge", ranks_per_node=64),
+        shell={LNC_ENV: "1"},
     )
     assert exported.lnc == 1 and exported.env_sources[LNC_ENV] == "environment"
-    flagged = resolve_plan("qwen3_4b_native", instance="trn2.48xlarge", lnc=2, shell={LNC_ENV: "1"})
+    flagged = resolve_plan(
+        RunRequest(recipe="qwen3_4b_native", instance="trn2.48xlarge", lnc=2), shell={LNC_ENV: "1"}
+    )
     assert flagged.lnc == 2 and flagged.env[LNC_ENV] == "2"
     assert flagged.env_sources[LNC_ENV] == "flag"
 
@@ -65,11 +72,11 @@ def test_sequence_rule_is_the_targets_everywhere():
     # NKI flash attention on Neuron takes multiples of 512, at either LNC
     assert trn2.seq_len_multiple(2) == get_topology("trn2.48xlarge").seq_len_multiple == 512
     assert trn2.seq_len_multiple(1) == 512 and TARGETS["cpu"].seq_len_multiple(2) == 1
-    rule = r"^--seq-len 1000 is not a multiple of 512, which the NKI attention kernels on "
-    with pytest.raises(LaunchError, match=rule + r"trn2\.48xlarge need; pass --seq-len 1024\.$"):
+    rule = r"^seq_len 1000 is not a multiple of 512, which the NKI attention kernels on "
+    with pytest.raises(LaunchError, match=rule + r"trn2\.48xlarge need; pass seq_len 1024\.$"):
         trn2.check_seq_len(1000, 2)
-    with pytest.raises(LaunchError, match=r"^--seq-len 768 is not a multiple of 512"):
-        resolve_plan("qwen3_4b_native", instance="trn2.48xlarge", seq_len=768)
+    with pytest.raises(LaunchError, match=r"^seq_len 768 is not a multiple of 512"):
+        resolve_plan(RunRequest(recipe="qwen3_4b_native", instance="trn2.48xlarge", seq_len=768))
 
 
 def test_each_kind_derives_ranks_memory_and_flops_from_its_stated_facts():
@@ -96,7 +103,7 @@ def test_each_kind_derives_ranks_memory_and_flops_from_its_stated_facts():
 
 def test_prices_are_the_targets():
     priced = {name: t.price_per_hour for name, t in TARGETS.items() if t.price_per_hour}
-    assert set(priced) == {"trn2.48xlarge", "trn1.32xlarge", "p4d.24xlarge", "p5.48xlarge"}
+    assert set(priced) == {"trn2.48xlarge", "p4d.24xlarge", "p5.48xlarge"}
     for name, usd in priced.items():
         assert hourly_price(name)[0] == usd
     assert hourly_price("cpu") is None and hourly_price("cuda") is None

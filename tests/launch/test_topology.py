@@ -1,4 +1,4 @@
-"""The instance catalogue: ranks and memory per rank from the documented trn2 / trn1 figures."""
+"""The instance catalogue: ranks and memory per rank from the documented trn2 figures."""
 
 import pytest
 
@@ -19,16 +19,14 @@ def test_trn2_lnc1_is_128_ranks_of_12_gib():
     assert (t.ranks_per_node, t.memory_per_rank_bytes, t.seq_len_multiple) == (128, 12 * GIB, 512)
 
 
-def test_trn1_has_32_cores_of_16_gib_and_no_lnc2():
-    t = get_topology("trn1.32xlarge")
-    assert (t.lnc, t.ranks_per_node, t.memory_per_rank_bytes) == (1, 32, 16 * GIB)
-    with pytest.raises(LaunchError, match=r"LNC 2 is not valid on trn1\.32xlarge"):
-        get_topology("trn1.32xlarge", lnc=2)
+def test_trn1_is_refused_as_torchneuron_supports_trn2_and_trn3_only():
+    with pytest.raises(LaunchError, match=r"'trn1\.32xlarge' is not supported: TorchNeuron"):
+        get_topology("trn1.32xlarge")
 
 
 @pytest.mark.parametrize("lnc", [0, 3, 4])
 def test_odd_or_unsupported_lnc_is_refused(lnc):
-    with pytest.raises(LaunchError, match=rf"LNC {lnc} is not valid.*--lnc 2"):
+    with pytest.raises(LaunchError, match=rf"LNC {lnc} is not valid.*pass lnc 2"):
         get_topology("trn2.48xlarge", lnc=lnc)
 
 
@@ -54,6 +52,6 @@ def test_lnc_on_a_non_neuron_instance_is_refused():
 def test_too_many_ranks_per_node_is_refused():
     with pytest.raises(
         LaunchError,
-        match=r"^--ranks-per-node 65 is more than trn2\.48xlarge holds \(64 logical cores at LNC 2\); pass --ranks-per-node 64 or fewer\.$",
+        match=r"^ranks_per_node 65 is more than trn2\.48xlarge holds \(64 logical cores at LNC 2\); pass ranks_per_node 64 or fewer\.$",
     ):
         get_topology("trn2.48xlarge", ranks_per_node=65)

@@ -22,9 +22,8 @@ from qwentitan.launch.tracking import (
     attach_report,
     cost_per_million_tokens,
 )
-from qwentitan.launch.tracking.cost import hourly_price
-from qwentitan.launch.tracking.names import flatten_config, metric_name
 from qwentitan.launch.tracking.spool import load_spool, read_spool
+from qwentitan.launch.tracking.summary import flatten_config, hourly_price, metric_name
 
 # The keys torchtitan 0.3.0's MetricsProcessor.log / log_validation and Trainer.train_step emit.
 TORCHTITAN_KEYS = [

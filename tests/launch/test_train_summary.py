@@ -11,8 +11,8 @@ import pytest
 from mlflow import MlflowClient
 
 from qwentitan.launch.runtime.console import quiet_console
+from qwentitan.launch.tracking.processor import SummaryLogger
 from qwentitan.launch.tracking.summary import RunSummary, format_summary
-from qwentitan.launch.tracking.summary_logger import SummaryLogger
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"(?<!validate )\bstep:\s+(\d+)\s+loss:\s+([0-9.]+)")

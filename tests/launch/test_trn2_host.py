@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from qwentitan.launch.base import neuron_sdk
-from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.cli import main
+from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.preflight.dataset import check_dataset
 from qwentitan.launch.launcher.preflight.efa import check_efa, efa_devices, fi_info_endpoints
 from qwentitan.launch.launcher.preflight.neuron_stack import check_neuron_stack, installed_version
@@ -29,7 +31,7 @@ DOCUMENTED = {
 
 @pytest.fixture(scope="module")
 def trn2_plan():
-    return resolve_plan("qwen3_4b_native")
+    return resolve_plan(RunRequest(recipe="qwen3_4b_native"))
 
 
 def fake_distributions(site: Path, versions: dict[str, str]) -> None:
@@ -50,8 +52,32 @@ def test_the_documented_neuron_stack_passes_from_installed_metadata(
     result = check_neuron_stack(trn2_plan, on_neuron_host=True, python=(3, 13, 0))
 
     assert result.status == "pass", result.detail
+    assert result.detail.startswith("Neuron SDK 2.33 stack: ")
     assert "torch 2.14.0, torch-neuronx 2.14.3.0, neuronx-cc 2.21.33.0, nki 0.3.0" in result.detail
-    assert "torchtitan 0.3.0 from " in result.detail
+    assert "qwentitan runs torchtitan 0.3.0 from " in result.detail
+
+
+def test_the_newest_documented_stack_is_the_default_and_both_pass(trn2_plan):
+    assert neuron_sdk.SDK_VERSION == "2.34" and neuron_sdk.SDK_VERSIONS == ("2.34", "2.33")
+    for torch_neuronx, sdk in (("2.14.3.1.96", "2.34"), ("2.14.3.0.12", "2.33")):
+        versions = {**DOCUMENTED, "torch-neuronx": torch_neuronx, "torch": "2.14.0+cpu"}
+        result = check_neuron_stack(
+            trn2_plan, on_neuron_host=True, version_of=versions.get, python=(3, 12, 1),
+            installs=lambda: [("0.3.0", "/env/site-packages")],
+        )  # fmt: skip
+        assert result.status == "pass" and result.figures["neuron_sdk"] == sdk, result.detail
+
+
+def test_a_fork_the_neuron_venv_holds_behind_upstream_passes_with_a_note(trn2_plan):
+    installs = [("0.3.0", "/srv/.venv-trn2/lib/python3.12/site-packages"),
+                ("0.2.2+neuron.1", "/opt/venv/lib/python3.12/site-packages")]  # fmt: skip
+    result = check_neuron_stack(
+        trn2_plan, on_neuron_host=True, version_of=DOCUMENTED.get, python=(3, 12, 1),
+        installs=lambda: installs,
+    )  # fmt: skip
+    assert result.status == "pass", result.detail
+    assert "qwentitan runs torchtitan 0.3.0 from " in result.detail
+    assert "AWS's fork aws-neuron/torchtitan-neuron 0.2.2+neuron.1 in /opt/venv" in result.detail
 
 
 @pytest.mark.parametrize(
@@ -61,7 +87,7 @@ def test_the_documented_neuron_stack_passes_from_installed_metadata(
         ({"torch-neuronx": "2.13.3.0"}, (3, 12, 1), "torch-neuronx 2.13.3.0"),
         ({"nki": None}, (3, 12, 1), "nki missing"),
         ({}, (3, 11, 7), "Python 3.11.7 (Neuron wheels: 3.12-3.14)"),
-        ({"torchtitan": "0.2.2+neuron.1"}, (3, 12, 1), "aws-neuron/torchtitan-neuron"),
+        ({"torchtitan": "0.2.2+neuron.1"}, (3, 12, 1), "nox -s train_trn2"),
     ],
 )
 def test_a_stack_off_the_documented_pairs_fails_naming_it(trn2_plan, change, python, named):
@@ -69,7 +95,7 @@ def test_a_stack_off_the_documented_pairs_fails_naming_it(trn2_plan, change, pyt
     result = check_neuron_stack(
         trn2_plan, on_neuron_host=True, version_of=versions.get, python=python
     )
-    assert result.status == "fail" and named in result.detail
+    assert result.status == "fail" and named in result.detail, result.detail
 
 
 def test_the_stack_is_only_reported_off_a_neuron_host(trn2_plan):
@@ -82,18 +108,45 @@ def test_the_versions_file_is_the_documented_matrix():
     assert not neuron_sdk.python_supported((3, 11, 7))
     assert all(neuron_sdk.is_protected(n) for n in ("torch", "Torch_Neuronx", "nvidia-nccl-cu13"))
     assert not neuron_sdk.is_protected("torchtitan")
+    assert neuron_sdk.matches("2.14.0+cpu", "2.14.0") and neuron_sdk.matches("2.28.1.0", "2")
+    assert not neuron_sdk.matches("2.14.3.10", "2.14.3.1")
+    assert neuron_sdk.is_fork("0.2.2+neuron.2") and not neuron_sdk.is_fork("0.3.0")
+
+
+def test_the_neuron_pair_group_is_the_documented_torch_and_transformers():
+    """`nox -s tests-3.13` runs pyproject's neuron-pair group; it must be neuron_sdk's pair."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pair = project["dependency-groups"]["neuron-pair"]
+    assert pair == [f"torch=={neuron_sdk.TORCH}", f"transformers=={neuron_sdk.TRANSFORMERS}"]
+
+
+def test_compile_with_the_nki_kernels_on_neuron_is_refused_at_plan_time(capsys, monkeypatch):
+    monkeypatch.delenv("QWENTITAN_KERNELS", raising=False)
+    args = ["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "nki_op" in err and "eager" in err and "drop --compile.enable" in err
+    assert "(grouped_experts, rope)" in err
+    # eager, or compiled with the reference twins (plain PyTorch ops), plans as before
+    assert main(["plan", "--recipe", "qwen3_moe_kernels"]) == 0
+    monkeypatch.setenv("QWENTITAN_KERNELS", "rope=reference,experts=reference")
+    assert main(args) == 0
+    assert "torch.compile, backend neuron" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("recipe", TRN2_RECIPES)
 def test_every_trn2_recipe_reads_its_dataset_on_the_host_offline(recipe):
-    result = check_dataset(resolve_plan(recipe))
+    result = check_dataset(resolve_plan(RunRequest(recipe=recipe)))
     assert result.status == "pass", result.detail
-    assert result.figures["first_batch"][-1] == resolve_plan(recipe).seq_len
+    assert result.figures["first_batch"][-1] == resolve_plan(RunRequest(recipe=recipe)).seq_len
 
 
 @pytest.mark.parametrize("dataset", ["c4_test", "allenai/c4"])
 def test_data_that_is_not_on_the_host_fails_offline(dataset):
-    plan = resolve_plan("qwen3_4b_hf", extra_overrides=["--dataloader.dataset", dataset])
+    plan = resolve_plan(
+        RunRequest(recipe="qwen3_4b_hf", overrides=["--dataloader.dataset", dataset])
+    )
     result = check_dataset(plan)
     assert result.status == "fail" and "64 ranks" in result.detail and dataset in result.detail
 
@@ -108,7 +161,7 @@ def efa_sysfs(root: Path, drivers: dict[str, str]) -> Path:
 
 
 def test_efa_is_checked_on_a_multi_node_plan(tmp_path):
-    plan = resolve_plan("qwen3_4b_native", nodes=2, rdzv_endpoint="node0:29500")
+    plan = resolve_plan(RunRequest(recipe="qwen3_4b_native", nodes=2, rdzv_endpoint="node0:29500"))
     sysfs = efa_sysfs(tmp_path, {"rdmap16s27": "efa", "rdmap32s27": "efa", "mlx5_0": "mlx5_core"})
     assert efa_devices(sysfs) == ["rdmap16s27", "rdmap32s27"]
 
@@ -118,7 +171,9 @@ def test_efa_is_checked_on_a_multi_node_plan(tmp_path):
     assert none.status == "fail" and "2-node run needs EFA on every node" in none.detail
     zero = check_efa(plan, on_target_host=True, root=sysfs, endpoints=lambda: 0)
     assert zero.status == "fail"
-    one_node = check_efa(resolve_plan("qwen3_4b_native"), on_target_host=True, root=sysfs)
+    one_node = check_efa(
+        resolve_plan(RunRequest(recipe="qwen3_4b_native")), on_target_host=True, root=sysfs
+    )
     assert one_node.status == "skip"
 
 
@@ -133,7 +188,7 @@ def test_fi_info_endpoints_are_counted():
 
 
 def test_the_missing_weights_line_names_the_hub_model_and_the_command(tmp_path):
-    plan = resolve_plan("qwen3_4b_hf")
+    plan = resolve_plan(RunRequest(recipe="qwen3_4b_hf"))
     result = check_weights(plan, tmp_path / "absent")
     assert result.status == "fail"
     assert "Qwen/Qwen3-4B-Instruct-2507" in result.detail

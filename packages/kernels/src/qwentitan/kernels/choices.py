@@ -9,7 +9,8 @@ Three choices per kernel (`rope`, `attention`, `experts`):
 Defaults: NKI for RoPE and the experts; torchtitan's own attention, whose SDPA call TorchNeuron
 already sends to NKI flash kernels (packages/kernels/README.md, "Attention on neuron").
 The environment variable QWENTITAN_KERNELS overrides the defaults, e.g.
-`QWENTITAN_KERNELS=experts=reference,attention=nki`.
+`QWENTITAN_KERNELS=experts=reference,attention=nki`; a caller that carries the choice itself
+(qwentitan.launch's `Trainer.Config.kernels`) parses the same text with `KernelChoices.parse`.
 """
 
 from __future__ import annotations
@@ -45,14 +46,19 @@ class KernelChoices:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelChoices:
         """The defaults with `QWENTITAN_KERNELS` (comma-separated kernel=choice) applied."""
-        raw = kernel_choices_text(environ)
+        return cls.parse(kernel_choices_text(environ))
+
+    @classmethod
+    def parse(cls, raw: str, source: str = KERNEL_CHOICES_ENV) -> KernelChoices:
+        """The defaults with `raw` (comma-separated kernel=choice pairs, as `QWENTITAN_KERNELS`
+        takes them) applied; a refusal names `source`, where the text came from."""
         kernels = [f.name for f in dataclasses.fields(cls)]
         chosen: dict[str, str] = {}
         for item in filter(None, (part.strip() for part in raw.split(","))):
             kernel, sep, choice = item.partition("=")
-            if not sep or kernel.strip() not in kernels:
+            if not sep or kernel.strip() not in kernels or choice.strip() not in CHOICES:
                 raise KernelError(
-                    f"{KERNEL_CHOICES_ENV}={raw!r} has {item!r}; write comma-separated "
+                    f"{source}={raw!r} has {item!r}; write comma-separated "
                     f"kernel=choice pairs with kernel in {', '.join(kernels)} and choice in "
                     f"{', '.join(CHOICES)}, e.g. experts=reference."
                 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
@@ -40,7 +41,9 @@ def _native_spec(f: Flavor, attn_backend: str, float32_experts: bool = False) ->
     )
 
 
-def _moe_kernels_spec(f: Flavor, attn_backend: str, float32_experts: bool) -> ModelSpec:
+def _moe_kernels_spec(
+    f: Flavor, attn_backend: str, float32_experts: bool, kernels: Any = None
+) -> ModelSpec:
     if not f.is_moe:
         raise ModelingError(
             f"The moe-kernels path needs an MoE flavor and {f.name!r} is dense; pick e.g. "
@@ -56,10 +59,10 @@ def _moe_kernels_spec(f: Flavor, attn_backend: str, float32_experts: bool) -> Mo
             "run: pip install 'qwentitan-modeling[kernels]'."
         ) from None
     # Imported only here: it imports qwentitan.kernels, an optional dependency.
-    from qwentitan.modeling.kernel_path import apply_kernel_replacements
+    from qwentitan.modeling.kernel_path import apply_kernel_replacements, default_rules
 
     spec = _native_spec(f, attn_backend, float32_experts)
-    spec.model = apply_kernel_replacements(spec.model)
+    spec.model = apply_kernel_replacements(spec.model, default_rules(choices=kernels))
     return spec
 
 
@@ -70,6 +73,7 @@ def model_spec(
     hf_folder: str | Path | None = None,
     attn_backend: str = "sdpa",
     float32_experts: bool = False,
+    kernels: Any = None,
 ) -> ModelSpec:
     """The torchtitan ModelSpec that trains ``flavor`` through implementation ``path``.
 
@@ -79,6 +83,8 @@ def model_spec(
     causal attention, the only one with a CPU backward), ``"flex"`` or ``"varlen"``.
     ``float32_experts``: torchtitan's MoE experts compute in float32, not bfloat16 (for CPUs;
     the kernel experts and the hf path's already compute in the parameters' dtype).
+    ``kernels``: the ``qwentitan.kernels.KernelChoices`` of ``moe-kernels`` (None: from
+    ``QWENTITAN_KERNELS``).
 
     For ``native`` / ``moe-kernels``, ``hf_folder`` is only checked against the flavor: the
     weights load through torchtitan's checkpointer (``initial_load_in_hf``) with the spec's
@@ -92,7 +98,7 @@ def model_spec(
     if path == "native":
         return _native_spec(f, attn_backend, float32_experts)
     if path == "moe-kernels":
-        return _moe_kernels_spec(f, attn_backend, float32_experts)
+        return _moe_kernels_spec(f, attn_backend, float32_experts, kernels)
     from qwentitan.modeling.hf_path import hf_model_spec  # transformers' model classes: on demand
 
     return hf_model_spec(f, hf_folder=hf_folder, attn_backend=attn_backend)

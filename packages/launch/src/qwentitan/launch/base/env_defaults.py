@@ -141,11 +141,6 @@ def cache_root() -> Path:
     return Path(_value("XDG_CACHE_HOME") or Path.home() / ".cache") / "qwentitan"
 
 
-def pick(names: tuple[str, ...]) -> dict[str, str]:
-    """Those of `names` set in this process's environment (a report's record of the shell)."""
-    return {name: os.environ[name] for name in names if name in os.environ}
-
-
 def local_world_size() -> int | None:
     """torchrun's `$LOCAL_WORLD_SIZE` (ranks on this node), or None outside torchrun."""
     found = _value("LOCAL_WORLD_SIZE")

@@ -13,8 +13,11 @@ Trainium2 chips of 8 physical NeuronCore-v3 and 96 GiB HBM each
 (about-neuron/arch/neuron-hardware/trainium2.rst, nki/guides/architecture/trainium2_arch.rst);
 at LNC=2 two physical cores act as one logical core
 (about-neuron/arch/neuron-features/logical-neuroncore-config.rst), so a chip gives 4 ranks of
-24 GiB and the instance 64 ranks. A trn1.32xlarge holds 16 Trainium chips of 2 NeuronCore-v2 and
-32 GiB HBM each (about-neuron/arch/neuron-hardware/trainium.rst), LNC=1 only. Peak FLOPs: "A
+24 GiB and the instance 64 ranks. No Trn1 kind: TorchNeuron, the backend these recipes train on,
+supports Trn2 and Trn3 only (Neuron SDK 2.33 release notes, TorchNeuron support matrix). No Trn3
+kind either: the documentation gives Trainium3's chip (8 NeuronCore-v4, 144 GiB) and its
+UltraServers (about-neuron/arch/neuron-hardware/trn3-arch.rst), but no single instance to plan
+for. Peak FLOPs: "A
 NeuronCore-v3 Tensor Engine delivers ... 79 BF16/FP16/TF32 TFLOPS"
 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/
 neuron-core-v3.html), so a rank at LNC 2 peaks at 158 TFLOPS. The chip page (trainium2.rst) gives
@@ -121,7 +124,8 @@ class Target:
         if self.device_type != "neuron":
             if lnc not in (None, 1):
                 raise LaunchError(
-                    f"LNC {lnc} applies to Trainium only; drop --lnc for instance {self.name!r}."
+                    f"LNC {lnc} applies to Trainium only; drop {{lnc}} for instance {self.name!r}.",
+                    field="lnc",
                 )
             return 1
         lnc = self.default_lnc if lnc is None else lnc
@@ -129,7 +133,8 @@ class Target:
             allowed = " or ".join(str(v) for v in self.allowed_lnc)
             raise LaunchError(
                 f"LNC {lnc} is not valid on {self.name}, which groups physical NeuronCores "
-                f"{allowed} at a time; pass --lnc {self.default_lnc}."
+                f"{allowed} at a time; pass {{lnc}} {self.default_lnc}.",
+                field="lnc",
             )
         return lnc
 
@@ -146,24 +151,32 @@ class Target:
         limit = self.max_ranks(lnc)
         return min(2, limit) if self.device_type == "cpu" else limit
 
-    def check_ranks(self, ranks: int, lnc: int = 1, *, flag: str = "--ranks-per-node") -> None:
-        """Refuse a rank count per node this kind cannot hold, naming `flag` in the fix."""
+    def check_ranks(self, ranks: int, lnc: int = 1) -> None:
+        """Refuse a rank count per node this kind cannot hold. The CPU host takes more ranks
+        than cores (they share them: slow, but they train; `Topology.note` says so)."""
         limit = self.max_ranks(lnc)
         if self.local and self.device_type == "cuda" and limit == 0:
             raise LaunchError(
                 "Instance 'cuda' describes this host's GPUs but torch sees none; "
-                "run on a CUDA host or pass --instance cpu."
+                "run on a CUDA host or pass {instance} cpu.",
+                field="instance",
             )
         if ranks < 1:
-            raise LaunchError(f"{flag} {ranks} is not a positive number; pass {flag} 1 or more.")
-        if ranks > limit:
+            raise LaunchError(
+                f"{{ranks_per_node}} {ranks} is not a positive number; pass {{ranks_per_node}} 1 "
+                "or more.",
+                field="ranks_per_node",
+            )
+        if ranks > limit and self.device_type != "cpu":
             if self.device_type == "neuron":
                 held = f"{limit} logical cores at LNC {lnc}"
             else:
-                held = f"{limit} {'CPU cores' if self.device_type == 'cpu' else 'CUDA devices'}"
+                held = f"{limit} CUDA devices"
             host = f"this {self.name} host" if self.local else self.name
             raise LaunchError(
-                f"{flag} {ranks} is more than {host} holds ({held}); pass {flag} {limit} or fewer."
+                f"{{ranks_per_node}} {ranks} is more than {host} holds ({held}); pass "
+                f"{{ranks_per_node}} {limit} or fewer.",
+                field="ranks_per_node",
             )
 
     def memory_per_rank(self, lnc: int, ranks: int) -> int:
@@ -183,18 +196,22 @@ class Target:
     def check_seq_len(self, seq_len: int, lnc: int, max_positions: int | None = None) -> None:
         """Refuse a sequence length these kernels or the model's RoPE table cannot take."""
         if seq_len < 2:
-            raise LaunchError(f"--seq-len {seq_len} is too short; pass 2 or more tokens.")
+            raise LaunchError(
+                f"{{seq_len}} {seq_len} is too short; pass 2 or more tokens.", field="seq_len"
+            )
         multiple = self.seq_len_multiple(lnc)
         if seq_len % multiple:
             raise LaunchError(
-                f"--seq-len {seq_len} is not a multiple of {multiple}, which the NKI attention "
+                f"{{seq_len}} {seq_len} is not a multiple of {multiple}, which the NKI attention "
                 f"kernels on {self.name} need; pass "
-                f"--seq-len {-(-seq_len // multiple) * multiple}."
+                f"{{seq_len}} {-(-seq_len // multiple) * multiple}.",
+                field="seq_len",
             )
         if max_positions is not None and seq_len > max_positions:
             raise LaunchError(
-                f"--seq-len {seq_len} is longer than the model's {max_positions} positions; "
-                f"pass --seq-len {max_positions} or less."
+                f"{{seq_len}} {seq_len} is longer than the model's {max_positions} positions; "
+                f"pass {{seq_len}} {max_positions} or less.",
+                field="seq_len",
             )
 
 
@@ -216,19 +233,6 @@ TARGETS: dict[str, Target] = {
             compile_target="trn2",
             efa=True,
             price_per_hour=44.70,
-        ),
-        Target(
-            name="trn1.32xlarge",
-            description="16 Trainium chips, 2 NeuronCores and 32 GiB HBM per chip",
-            device_type="neuron",
-            backend="neuron",
-            attention="sdpa",
-            chips=16,
-            cores_per_chip=2,
-            chip_memory_gib=32.0,
-            compile_target="trn1",
-            efa=True,
-            price_per_hour=21.50,
         ),
         Target(
             name="p4d.24xlarge",
@@ -270,12 +274,25 @@ TARGETS: dict[str, Target] = {
 }
 
 
+# Kinds a user may name that these recipes cannot train on, with the reason.
+UNSUPPORTED = {
+    "trn1.32xlarge": "TorchNeuron, the PyTorch backend these recipes train on, supports Trn2 and "
+    "Trn3 only (Neuron SDK 2.33)",
+}
+
+
 def get_target(name: str) -> Target:
     """The Target called `name`, or a refusal listing the kinds there are."""
     target = TARGETS.get(name)
+    if name in UNSUPPORTED:
+        raise LaunchError(
+            f"Instance {name!r} is not supported: {UNSUPPORTED[name]}; choose trn2.48xlarge "
+            "with --instance."
+        )
     if target is None:
         raise LaunchError(
-            f"Unknown instance {name!r}; choose one of {', '.join(TARGETS)} with --instance."
+            f"Unknown instance {name!r}; choose one of {', '.join(TARGETS)} with {{instance}}.",
+            field="instance",
         )
     return target
 
@@ -324,6 +341,17 @@ class Topology:
         """Peak dense BF16 FLOP/s of one rank; the one figure MFU divides by."""
         return self.target.peak_flops(self.lnc)
 
+    @property
+    def note(self) -> str | None:
+        """What the user should know before the ranks start (more CPU ranks than cores)."""
+        cores = cpu_cores()
+        if self.device_type != "cpu" or self.ranks_per_node <= cores:
+            return None
+        return (
+            f"{self.ranks_per_node} ranks share this host's {cores} CPU cores: they train, "
+            "each step slower than with one rank per core."
+        )
+
     def to_dict(self) -> dict[str, object]:
         peak = self.peak_flops
         return {
@@ -345,11 +373,10 @@ def get_topology(
     *,
     lnc: int | None = None,
     ranks_per_node: int | None = None,
-    ranks_flag: str = "--ranks-per-node",
 ) -> Topology:
     """Resolve a Target's name (plus LNC for Trainium, ranks per node) to a checked Topology."""
     target = get_target(name)
     lnc = target.check_lnc(lnc)
     ranks = target.default_ranks(lnc) if ranks_per_node is None else ranks_per_node
-    target.check_ranks(ranks, lnc, flag=ranks_flag)
+    target.check_ranks(ranks, lnc)
     return Topology(target, lnc, ranks, target.memory_per_rank(lnc, ranks))

@@ -1,7 +1,8 @@
 """`qwentitan-launch`: one subcommand per module of `qwentitan.launch.launcher.commands`.
 
 A command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
-Errors a user can cause become one sentence on stderr and exit code 2, never a traceback.
+Errors a user can cause become one sentence on stderr and exit code 2, never a traceback; a
+sentence about a request field names it by the flag the user typed (`plan_cli.phrasing`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher import commands
 from qwentitan.launch.launcher.flags import OneLineErrorParser
+from qwentitan.launch.launcher.plan_cli import phrasing
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -52,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except user_errors() as error:
-        print(f"qwentitan-launch {args.command}: {error}", file=sys.stderr)
+        said = error.phrased(phrasing(args)) if isinstance(error, LaunchError) else error
+        print(f"qwentitan-launch {args.command}: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         # Ctrl-C before any rank started (once they run, `train` / `run` forward it to them).

@@ -97,7 +97,8 @@ def check_shell(topology: Topology, shell: Mapping[str, str]) -> None:
         raise LaunchError(
             f"{COMPILER_FLAGS} sets --lnc={compiler} but the plan uses LNC {topology.lnc}; "
             f"remove it from {COMPILER_FLAGS} (TorchNeuron passes the runtime's LNC itself) or "
-            f"pass --lnc {compiler}."
+            f"pass {{lnc}} {compiler}.",
+            field="lnc",
         )
 
 

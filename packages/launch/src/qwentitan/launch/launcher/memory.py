@@ -51,7 +51,6 @@ class ModelShape:
     def of(cls, model: torch.nn.Module) -> ModelShape:
         """Read the shape from torchtitan (`tok_embeddings`, `wq`, `w1`) or HF (`q_proj`) names."""
         named = dict(model.named_parameters())
-        params = sum(p.numel() for p in named.values())
         embed = next(p for n, p in named.items() if "embed" in n and p.dim() == 2)
         vocab, hidden = embed.shape
         per_layer: dict[int, int] = {}
@@ -63,59 +62,62 @@ class ModelShape:
             for n, p in named.items()
             if _LAYER.search(n) and int(_LAYER.search(n).group(1)) == min(per_layer)
         }
-
-        def out_dim(*suffixes: str) -> int:
-            for n, p in first.items():
-                if "expert" not in n and n.endswith(suffixes):
-                    return p.shape[0]
-            return 0
-
-        def in_dim(*suffixes: str) -> int:
-            for n, p in first.items():
-                if n.endswith(suffixes):
-                    return p.shape[1]
-            return 0
-
         # The attention output projection reads q_dim; torchtitan may fuse wq/wk/wv into wqkv.
-        q_dim = in_dim("wo.weight", "o_proj.weight")
-        kv_dim = out_dim("wk.weight", "k_proj.weight")
-        if not kv_dim and (fused := out_dim("wqkv.weight", "qkv_proj.weight")):
+        q_dim = _in_dim(first, "wo.weight", "o_proj.weight")
+        kv_dim = _out_dim(first, "wk.weight", "k_proj.weight")
+        if not kv_dim and (fused := _out_dim(first, "wqkv.weight", "qkv_proj.weight")):
             kv_dim = (fused - q_dim) // 2
-        experts = expert_ffn = expert_params = 0
-        for n, p in first.items():
-            if "expert" in n and p.dim() == 3:
-                expert_params += p.numel()
-                experts = p.shape[0]
-                if any(k in n for k in ("w2", "down")):
-                    expert_ffn = p.shape[2] if p.shape[1] == hidden else p.shape[1]
-        top_k = (
-            next(
-                (
-                    int(v)
-                    for m in model.modules()
-                    for a in ("top_k", "num_experts_per_tok")
-                    if isinstance(v := getattr(m, a, None), int)
-                ),
-                0,
-            )
-            if experts
-            else 0
-        )
+        experts, expert_ffn, expert_params = _experts(first, hidden)
         return cls(
-            params=params,
+            params=sum(p.numel() for p in named.values()),
             layers=len(per_layer),
             hidden=hidden,
             vocab=vocab,
             q_dim=q_dim,
             kv_dim=kv_dim,
-            ffn_dim=out_dim("w1.weight", "gate_proj.weight"),
+            ffn_dim=_out_dim(first, "w1.weight", "gate_proj.weight"),
             experts=experts,
             expert_ffn_dim=expert_ffn,
-            top_k=top_k,
+            top_k=_top_k(model) if experts else 0,
             expert_params=expert_params * len(per_layer),
             layer_params=max(per_layer.values(), default=0),
             embedding_params=embed.numel(),
         )
+
+
+def _out_dim(layer: dict[str, Any], *suffixes: str) -> int:
+    """Rows of the first dense (non-expert) weight of `layer` named with one of `suffixes`."""
+    for n, p in layer.items():
+        if "expert" not in n and n.endswith(suffixes):
+            return p.shape[0]
+    return 0
+
+
+def _in_dim(layer: dict[str, Any], *suffixes: str) -> int:
+    for n, p in layer.items():
+        if n.endswith(suffixes):
+            return p.shape[1]
+    return 0
+
+
+def _experts(layer: dict[str, Any], hidden: int) -> tuple[int, int, int]:
+    """(experts, expert FFN size, expert parameters) of one layer's stacked expert weights."""
+    experts = expert_ffn = expert_params = 0
+    for n, p in layer.items():
+        if "expert" in n and p.dim() == 3:
+            expert_params += p.numel()
+            experts = p.shape[0]
+            if any(k in n for k in ("w2", "down")):
+                expert_ffn = p.shape[2] if p.shape[1] == hidden else p.shape[1]
+    return experts, expert_ffn, expert_params
+
+
+def _top_k(model: torch.nn.Module) -> int:
+    for module in model.modules():
+        for name in ("top_k", "num_experts_per_tok"):
+            if isinstance(value := getattr(module, name, None), int):
+                return value
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,34 @@ def meta_model(config: Any) -> torch.nn.Module:
         return config.model_spec.model.build()
 
 
+def estimate_for(
+    config: Any, shape: ModelShape, degrees: Any, topology: Any, ac: str
+) -> MemoryEstimate:
+    """`estimate_memory` of a recipe's config under resolved parallel degrees on a Topology."""
+    # torchtitan casts to the mixed-precision dtype only through fully_shard, which it applies
+    # when more than one rank shards (dp_shard x cp > 1); otherwise everything is the training dtype.
+    fsdp = degrees.data_parallel_shard * degrees.context_parallel > 1
+    training_bytes = 4 if config.training.dtype == "float32" else 2
+    compute_bytes = (
+        2 if fsdp and config.training.mixed_precision_param == "bfloat16" else training_bytes
+    )
+    shards = degrees.data_parallel_shard * degrees.context_parallel * degrees.tensor_parallel
+    return estimate_memory(
+        shape,
+        seq_len=config.training.seq_len,
+        local_batch=config.training.local_batch_size,
+        activation_checkpoint=ac,
+        available=topology.memory_per_rank_bytes,
+        dense_shards=shards,
+        expert_shards=shards,
+        tensor_parallel=degrees.tensor_parallel,
+        training_dtype_bytes=training_bytes,
+        compute_dtype_bytes=compute_bytes,
+        loss_chunks=getattr(config.loss, "num_chunks", 1),
+        fsdp=fsdp,
+    )
+
+
 def estimate_memory(
     shape: ModelShape,
     *,
@@ -191,46 +221,50 @@ def estimate_memory(
     without it nothing is gathered and `compute_dtype_bytes` should be the training dtype's.
     """
     dense_params = shape.params - shape.expert_params
+    local_params = dense_params / dense_shards + shape.expert_params / expert_shards
     # Parameters, gradients and AdamW exp_avg / exp_avg_sq all live in the training dtype.
-    state_bytes = 4 * training_dtype_bytes
-    sharded = state_bytes * (dense_params / dense_shards + shape.expert_params / expert_shards)
+    sharded = 4 * training_dtype_bytes * local_params
 
     # FSDP keeps the current and the prefetched block unsharded (compute dtype) and one block's
     # unsharded gradients (reduce dtype float32) until the reduce-scatter.
     largest = max(shape.layer_params, shape.embedding_params) / tensor_parallel
     transient = (2 * largest * compute_dtype_bytes + largest * 4) if fsdp else 0
+    # AdamW's foreach step allocates about two parameter-sized temporaries (the bias-corrected
+    # second moment's square root and the update), and the embedding's backward a dense
+    # gradient before it is accumulated: transient, but at the step's peak.
+    transient += training_dtype_bytes * (2 * local_params + shape.embedding_params / dense_shards)
 
     tokens = seq_len * local_batch
-    per_layer = _layer_activation_elems(shape) * compute_dtype_bytes * tokens / tensor_parallel
-    block_input = shape.hidden * compute_dtype_bytes * tokens
-    if activation_checkpoint == "full":
-        # Each block keeps its input; backward recomputes one block at a time.
-        activations = shape.layers * block_input + per_layer
-    elif activation_checkpoint == "selective":
-        # torchtitan's op-level SAC keeps every other matmul output and attention: about half.
-        activations = shape.layers * (block_input + per_layer / 2) + per_layer / 2
-    else:
-        activations = shape.layers * per_layer
-    activations += 2 * block_input  # embedding output and final norm
-
+    activations = _activations(
+        shape, tokens, activation_checkpoint, compute_dtype_bytes, tensor_parallel
+    )
     # Logits in compute dtype, their float32 upcast and float32 gradient, one chunk at a time.
     logits = (
         tokens * shape.vocab * (compute_dtype_bytes + 8) / max(loss_chunks, 1) / tensor_parallel
     )
-
-    # AdamW's foreach step allocates about two parameter-sized temporaries (the bias-corrected
-    # second moment's square root and the update), and the embedding's backward a dense
-    # gradient before it is accumulated: transient, but at the step's peak.
-    local_params = dense_params / dense_shards + shape.expert_params / expert_shards
-    transient += training_dtype_bytes * (2 * local_params + shape.embedding_params / dense_shards)
-
-    total = int(sharded + transient + activations + logits)
     return MemoryEstimate(
         sharded_state=int(sharded),
         unsharded_transient=int(transient),
         activations=int(activations),
         logits=int(logits),
-        total=total,
+        total=int(sharded + transient + activations + logits),
         available=int(available),
         activation_checkpoint=activation_checkpoint,
     )
+
+
+def _activations(
+    shape: ModelShape, tokens: int, mode: str, compute_bytes: int, tensor_parallel: int
+) -> float:
+    """Bytes saved for backward over the model, for activation checkpointing `mode`."""
+    per_layer = _layer_activation_elems(shape) * compute_bytes * tokens / tensor_parallel
+    block_input = shape.hidden * compute_bytes * tokens
+    if mode == "full":
+        # Each block keeps its input; backward recomputes one block at a time.
+        activations = shape.layers * block_input + per_layer
+    elif mode == "selective":
+        # torchtitan's op-level SAC keeps every other matmul output and attention: about half.
+        activations = shape.layers * (block_input + per_layer / 2) + per_layer / 2
+    else:
+        activations = shape.layers * per_layer
+    return activations + 2 * block_input  # embedding output and final norm

@@ -1,19 +1,16 @@
 """A launch plan: everything about a run that can be decided before any process starts.
 
 A run is one torchtitan `Trainer.Config` plus the launch facts (machine kind, LNC, ranks, nodes,
-environment). `resolve_plan(recipe, instance=..., nodes=...)` turns the launcher's flags into
-torchtitan overrides (the machine kind too: `--target`, `--lnc`), loads the recipe exactly as
-every rank will (torchtitan's ConfigManager with `--module qwentitan.launch.recipes --config
-<recipe>` plus those overrides: "CLI args > config_registry defaults") and owns every check:
-ranges, parallel degrees, LNC, the sequence rules, the compile backend, the shell's Neuron
-settings, the step to stop after, memory per rank. `train`, `plan`, `run`, `slurm` and
-`preflight` only ask it. Every refusal is a `LaunchError` whose one sentence names the fix.
+environment). `resolve_plan(request)` turns a `RunRequest` into torchtitan overrides (the machine
+kind too: `--target`, `--lnc`), loads the recipe exactly as every rank will (`load_config`) and
+owns every check: ranges, parallel degrees, LNC, the sequence rules, the compile backend, the
+shell's Neuron settings, the step to stop after, memory per rank. `train`, `plan`, `run`,
+`slurm` and `preflight` only ask it. Every refusal is a `LaunchError` whose one sentence names
+the fix (and the request field it is about).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shlex
 import sys
 from collections.abc import Mapping
@@ -29,11 +26,12 @@ from qwentitan.launch.launcher.memory import (
     USABLE_FRACTION,
     MemoryEstimate,
     ModelShape,
-    estimate_memory,
+    estimate_for,
     meta_model,
 )
 from qwentitan.launch.launcher.plan_rules import (
     ParallelDegrees,
+    check_compile_with_nki,
     check_layout,
     check_loss_chunks,
     check_ranges,
@@ -44,18 +42,24 @@ from qwentitan.launch.launcher.plan_rules import (
     max_positions,
     resolve_degrees,
 )
+from qwentitan.launch.launcher.recipe_config import RECIPES_MODULE, load_config, recipe_names
+from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, RunRequest
 
-RECIPES_MODULE = "qwentitan.launch.recipes"
+__all__ = [
+    "AC_MODES",
+    "RECIPES_MODULE",
+    "RESUME_MODES",
+    "LaunchPlan",
+    "RunRequest",
+    "default_instance",
+    "load_config",
+    "recipe_names",
+    "resolve_plan",
+]
+
 # torchtitan's own entry point on every rank; the recipe's Trainer.Config builds our Trainer.
 TRAIN_ENTRY = "torchtitan.train"
 DEFAULT_COMPILE_CACHE = environment.DEFAULT_COMPILE_CACHE
-AC_MODES = ("none", "selective", "full")
-# What the ranks do with the checkpoints already in the run folder (torchtitan itself always
-# loads the newest one it finds; the launcher checks the folder against this before starting):
-# "fresh" - start at step 1: a folder that already holds checkpoints is refused, never emptied;
-# "latest" - continue the newest checkpoint, which must exist and be whole;
-# "auto" - "latest" when there is one, else "fresh" (a requeued scheduler job).
-RESUME_MODES = ("fresh", "latest", "auto")
 
 
 @dataclass(slots=True)
@@ -81,6 +85,11 @@ class LaunchPlan:
     resume: str = "auto"  # one of RESUME_MODES
     env_sources: dict[str, str] = field(default_factory=dict)
     """Where each value of `env` came from: flag, environment, default or plan."""
+
+    @property
+    def note(self) -> str | None:
+        """What to know before the ranks start (more CPU ranks than cores), or None."""
+        return self.topology.note
 
     @property
     def world_size(self) -> int:
@@ -204,73 +213,14 @@ class LaunchPlan:
         return self.degrees.data_parallel_shard * self.degrees.data_parallel_replicate
 
 
-def recipe_names() -> list[str]:
-    """Our recipe registry's names; for another registry module (tests plan torchtitan's own
-    qwen3 registry), its public functions."""
-    import importlib
-
-    from qwentitan.launch import recipes
-
-    if recipes.__name__ == RECIPES_MODULE:
-        return recipes.recipe_names()
-    module = importlib.import_module(RECIPES_MODULE)
-    names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-    return sorted(n for n in names if n[0].islower())
-
-
 def default_instance(recipe: str) -> str:
-    """trn2 recipes target a trn2.48xlarge; the others this host (cuda if it has GPUs, else cpu)."""
-    from qwentitan.launch.recipes import recipe_info, recipe_names
+    """The recipe's instance (trn2 recipes: a trn2.48xlarge), else this host's Target, by the
+    one probe the ranks use too (`platforms.host_target`: Neuron, else CUDA, else CPU)."""
+    from qwentitan.launch.recipes import recipe_info
+    from qwentitan.launch.runtime.platforms import host_target
 
-    if recipe in recipe_names() and (instance := recipe_info(recipe).instance):
-        return instance
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_config(recipe: str, overrides: list[str]) -> Any:
-    """Build the recipe's Trainer.Config through torchtitan's own parser, as the trainer does."""
-    from torchtitan.config import ConfigManager
-
-    if recipe not in recipe_names():
-        raise LaunchError(
-            f"Unknown recipe {recipe!r}; choose one of {', '.join(recipe_names())} with --recipe."
-        )
-    args = ["--module", RECIPES_MODULE, "--config", recipe, *overrides]
-    quiet = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            return ConfigManager().parse_args(args)
-    except SystemExit as exit_:
-        reason = _tyro_message(quiet.getvalue()) or "check the flag names and values"
-        raise LaunchError(
-            f"torchtitan refused recipe {recipe!r} with {shlex.join(overrides) or 'no overrides'}: "
-            f"{reason}"
-        ) from exit_
-    except ValueError as error:
-        raise LaunchError(f"Recipe {recipe!r} is invalid with these settings: {error}") from error
-
-
-def _tyro_message(text: str) -> str:
-    """The sentence of tyro's error, boxed (a terminal) or plain (a pipe), with its first
-    "Perhaps you meant" suggestion; "" when there is none."""
-    lines = [line.strip().strip("│╭╮╰╯").strip() for line in text.splitlines()]
-    blocks: list[list[str]] = [[]]
-    for inner in [line for line in lines if line][1:]:  # the first line is the title
-        if len(inner) > 3 and set(inner) <= set("─- "):
-            blocks.append([])  # a rule between sections
-        else:
-            blocks[-1].append(inner)
-    sections = [" ".join(block) for block in blocks if block]
-    if not sections:
-        return ""
-    message = sections[0].removeprefix("Error parsing Config: ")
-    for section in sections[1:]:
-        if section.startswith("Perhaps you meant:"):
-            message += f"; perhaps you meant {section.split()[3]}"
-            break
-    return message
+    known = recipe in recipe_names()
+    return (recipe_info(recipe).instance if known else None) or host_target()
 
 
 def model_shape(config: Any) -> ModelShape:
@@ -278,131 +228,94 @@ def model_shape(config: Any) -> ModelShape:
     return ModelShape.of(meta_model(config))
 
 
-def resolve_plan(
-    recipe: str,
-    *,
-    instance: str | None = None,
-    nodes: int = 1,
-    lnc: int | None = None,
-    ranks_per_node: int | None = None,
-    ranks_flag: str = "--ranks-per-node",
-    fsdp: int | None = None,
-    tp: int | None = None,
-    ep: int | None = None,
-    seq_len: int | None = None,
-    local_batch: int | None = None,
-    global_batch: int | None = None,
-    activation_checkpoint: str | None = None,
-    steps: int | None = None,
-    stop_after: int | None = None,
-    dump_folder: str | None = None,
-    checkpoint_interval: int | None = None,
-    extra_overrides: list[str] | None = None,
-    compile_cache: str | None = None,
-    rdzv_endpoint: str | None = None,
-    max_restarts: int = 0,
-    resume: str = "auto",
-    shell: Mapping[str, str] | None = None,
-) -> LaunchPlan:
-    """Resolve (recipe, instance, nodes), the optional knobs and torchtitan overrides into a
-    checked LaunchPlan. `shell`: the environment the launch starts from (default: this one)."""
-    instance = instance or default_instance(recipe)
-    target = get_target(instance)  # before anything slower, so an unknown name is the first problem
-    if nodes < 1:
-        raise LaunchError(f"--nodes must be at least 1, not {nodes}.")
+def resolve_plan(request: RunRequest, *, shell: Mapping[str, str] | None = None) -> LaunchPlan:
+    """The checked plan of `request`. `shell`: the environment the launch starts from (default:
+    this one), whose Neuron settings are checked and whose exported LNC is honoured."""
     shell = env_defaults.shell() if shell is None else shell
-    lnc_source = environment.FLAG
+    instance = request.instance or default_instance(request.recipe)
+    target = get_target(instance)  # before anything slower, so an unknown name is the first problem
+    lnc, lnc_source = request.lnc, environment.FLAG
     if lnc is None and target.device_type == "neuron":
-        lnc = environment.shell_lnc(shell)  # an exported LNC is honoured unless --lnc says else
+        lnc = environment.shell_lnc(shell)  # an exported LNC is honoured unless a flag says else
         lnc_source = environment.DEFAULT if lnc is None else environment.ENVIRONMENT
-    topology = get_topology(instance, lnc=lnc, ranks_per_node=ranks_per_node, ranks_flag=ranks_flag)
-    if resume not in RESUME_MODES:
-        raise LaunchError(
-            f"Unknown resume mode {resume!r}; pass --resume with one of {', '.join(RESUME_MODES)}."
-        )
-    if activation_checkpoint is not None and activation_checkpoint not in AC_MODES:
-        raise LaunchError(
-            f"Unknown activation checkpointing mode {activation_checkpoint!r}; "
-            f"pass --ac with one of {', '.join(AC_MODES)}."
-        )
-
-    overrides = placement_overrides(topology)
-    for flag, value in (
-        ("--training.seq-len", seq_len),
-        ("--training.local-batch-size", local_batch),
-        ("--training.steps", steps),
-        ("--stop-after", stop_after),
-        ("--parallelism.data-parallel-shard-degree", fsdp),
-        ("--parallelism.tensor-parallel-degree", tp),
-        ("--parallelism.expert-parallel-degree", ep),
-        ("--dump-folder", dump_folder),
-        ("--checkpoint.interval", checkpoint_interval),
-    ):
-        if value is not None:
-            overrides += [flag, str(value)]
-    overrides += list(extra_overrides or [])
-    # A tyro subcommand, so always the last word on the trainer's command line.
-    if activation_checkpoint:
-        overrides.append(f"activation-checkpoint:{activation_checkpoint}")
-    return plan_from_overrides(
-        recipe,
-        topology,
-        overrides,
-        nodes=nodes,
-        global_batch=global_batch,
-        compile_cache=compile_cache,
-        lnc_source=lnc_source,
-        shell=shell,
-        rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts,
-        resume=resume,
-    )
+    topology = get_topology(instance, lnc=lnc, ranks_per_node=request.ranks_per_node)
+    overrides = [*placement_overrides(topology), *request.trainer_overrides()]
+    return plan_from_overrides(request, topology, overrides, shell=shell, lnc_source=lnc_source)
 
 
 def placement_overrides(topology: Topology) -> list[str]:
-    """The machine kind as config (our recipes' `Trainer.Config.target` / `.lnc`): every rank
-    builds its model for it. Another registry's config (torchtitan's own, which tests plan) has
-    no such fields; it only has CUDA graphs turned off where they cannot exist."""
-    if not _our_recipes():
-        return [] if topology.device_type == "cuda" else ["--training.disable-cuda-graphs"]
+    """The machine kind as config (`Trainer.Config.target` / `.lnc`): every rank builds its
+    model for it."""
     words = ["--target", topology.name]
     return [*words, "--lnc", str(topology.lnc)] if topology.device_type == "neuron" else words
 
 
-def _our_recipes() -> bool:
-    from qwentitan.launch import recipes
-
-    return recipes.__name__ == RECIPES_MODULE
-
-
 def plan_from_overrides(
-    recipe: str,
+    request: RunRequest,
     topology: Topology,
     overrides: list[str],
     *,
-    nodes: int,
-    global_batch: int | None = None,
-    compile_cache: str | None = None,
-    lnc_source: str = environment.DEFAULT,
     shell: Mapping[str, str],
+    lnc_source: str = environment.DEFAULT,
     env: tuple[dict[str, str], dict[str, str]] | None = None,
-    rdzv_endpoint: str | None = None,
-    max_restarts: int = 0,
-    resume: str = "auto",
 ) -> LaunchPlan:
-    """The plan of `recipe` with exactly these trainer overrides: the config every rank builds,
-    checked. `env`: the ranks' variables and their sources as already planned (a plan file)."""
+    """The plan of `request` with exactly these trainer overrides: the config every rank
+    builds, checked. `env`: the ranks' variables and their sources as already planned (a plan
+    file)."""
     environment.check_shell(topology, shell)  # on every node too: its shell reaches its ranks
     overrides = list(overrides)
-    config = load_config(recipe, overrides)
-    world = nodes * topology.ranks_per_node
+    config = load_config(request.recipe, overrides)
+    degrees, shape = _checked(request, config, topology, overrides)
+    batch = _global_batch(request, config, degrees, overrides)
+    if env is None:
+        mlflow = getattr(config.metrics, "mlflow", None)
+        env = environment.plan_env(
+            topology,
+            nodes=request.nodes,
+            shell=shell,
+            compile_cache=request.compile_cache,
+            lnc_source=lnc_source,
+            mlflow_timeout_s=mlflow.request_timeout_s if mlflow and mlflow.enable else None,
+        )
+    ac = _ac_mode(config.activation_checkpoint)
+    plan = LaunchPlan(
+        recipe=request.recipe,
+        topology=topology,
+        nodes=request.nodes,
+        degrees=degrees,
+        seq_len=config.training.seq_len,
+        local_batch=config.training.local_batch_size,
+        global_batch=batch,
+        steps=config.training.steps,
+        activation_checkpoint=ac,
+        overrides=_subcommand_last(overrides),
+        env=env[0],
+        env_sources=env[1],
+        memory=estimate_for(config, shape, degrees, topology, ac),
+        config=config,
+        model_shape=shape,
+        rdzv_endpoint=request.rdzv_endpoint or "localhost:0",
+        max_restarts=request.max_restarts,
+        resume=request.resume,
+    )
+    if not plan.memory.fits:
+        raise LaunchError(_memory_refusal(plan), field=_memory_knob(plan)[0])
+    return plan
+
+
+def _checked(
+    request: RunRequest, config: Any, topology: Topology, overrides: list[str]
+) -> tuple[ParallelDegrees, ModelShape]:
+    """The plan's rules applied to the config every rank builds: its degrees and model shape."""
+    world = request.nodes * topology.ranks_per_node
     check_ranges(config)
     degrees = resolve_degrees(config.parallelism, world, topology)
-    check_layout(config, degrees, topology, recipe)
+    check_layout(config, degrees, topology, request.recipe)
     seq_len = config.training.seq_len
     topology.target.check_seq_len(seq_len, topology.lnc, max_positions(config.model_spec.model))
     check_loss_chunks(config, seq_len, degrees.context_parallel)
-    check_stop_after(config, resume)
+    check_stop_after(config, request.resume)
+    check_compile_with_nki(config, topology)
     backend = compile_backend(config, topology, overrides)
     if backend is not None:
         _set_override(overrides, "--compile.backend", backend)
@@ -410,57 +323,32 @@ def plan_from_overrides(
     shape = model_shape(config)
     if degrees.expert_parallel > 1 and not shape.experts:
         raise LaunchError(
-            f"Recipe {recipe!r} has no experts, so expert parallelism {degrees.expert_parallel} "
-            "has nothing to shard; drop --ep."
+            f"Recipe {request.recipe!r} has no experts, so expert parallelism "
+            f"{degrees.expert_parallel} has nothing to shard; drop {{ep}}.",
+            field="ep",
         )
-    ac = _ac_mode(config.activation_checkpoint)
-    batch_ranks = degrees.data_parallel_shard * degrees.data_parallel_replicate
-    local = config.training.local_batch_size
+    return degrees, shape
+
+
+def _global_batch(
+    request: RunRequest, config: Any, degrees: ParallelDegrees, overrides: list[str]
+) -> int:
+    """The global batch (`plan_rules.global_batch_size`), told to the ranks when it is not
+    the recipe's own number."""
+    pinned = request.global_batch_size
     recipe_batch = config.training.global_batch_size
-    resolved_batch = global_batch_size(
-        recipe_batch if global_batch is None else global_batch,
-        local=local,
-        batch_ranks=batch_ranks,
-        nodes=nodes,
-        pinned=global_batch is not None,
+    resolved = global_batch_size(
+        recipe_batch if pinned is None else pinned,
+        local=config.training.local_batch_size,
+        batch_ranks=degrees.data_parallel_shard * degrees.data_parallel_replicate,
+        nodes=request.nodes,
+        pinned=pinned is not None,
     )
-    if global_batch is not None or (recipe_batch > 0 and resolved_batch != recipe_batch):
+    if pinned is not None or (recipe_batch > 0 and resolved != recipe_batch):
         # Pinned or scaled with the nodes: the ranks load the recipe too, so they are told.
-        _set_override(overrides, "--training.global-batch-size", str(resolved_batch))
-        config.training.global_batch_size = resolved_batch
-    if env is None:
-        mlflow = getattr(config.metrics, "mlflow", None)
-        env = environment.plan_env(
-            topology,
-            nodes=nodes,
-            shell=shell,
-            compile_cache=compile_cache,
-            lnc_source=lnc_source,
-            mlflow_timeout_s=mlflow.request_timeout_s if mlflow and mlflow.enable else None,
-        )
-    plan = LaunchPlan(
-        recipe=recipe,
-        topology=topology,
-        nodes=nodes,
-        degrees=degrees,
-        seq_len=seq_len,
-        local_batch=local,
-        global_batch=resolved_batch,
-        steps=config.training.steps,
-        activation_checkpoint=ac,
-        overrides=_subcommand_last(overrides),
-        env=env[0],
-        env_sources=env[1],
-        memory=_memory(config, shape, degrees, topology, ac),
-        config=config,
-        model_shape=shape,
-        rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        max_restarts=max_restarts,
-        resume=resume,
-    )
-    if not plan.memory.fits:
-        raise LaunchError(_memory_refusal(plan))
-    return plan
+        _set_override(overrides, "--training.global-batch-size", str(resolved))
+        config.training.global_batch_size = resolved
+    return resolved
 
 
 def _set_override(overrides: list[str], flag: str, value: str) -> None:
@@ -477,33 +365,6 @@ def _subcommand_last(overrides: list[str]) -> list[str]:
     return [word for word in overrides if word not in chosen] + chosen[-1:]
 
 
-def _memory(
-    config: Any, shape: ModelShape, degrees: ParallelDegrees, topology: Topology, ac: str
-) -> MemoryEstimate:
-    # torchtitan casts to the mixed-precision dtype only through fully_shard, which it applies
-    # when more than one rank shards (dp_shard x cp > 1); otherwise everything is the training dtype.
-    fsdp = degrees.data_parallel_shard * degrees.context_parallel > 1
-    training_bytes = 4 if config.training.dtype == "float32" else 2
-    compute_bytes = (
-        2 if fsdp and config.training.mixed_precision_param == "bfloat16" else training_bytes
-    )
-    shards = degrees.data_parallel_shard * degrees.context_parallel * degrees.tensor_parallel
-    return estimate_memory(
-        shape,
-        seq_len=config.training.seq_len,
-        local_batch=config.training.local_batch_size,
-        activation_checkpoint=ac,
-        available=topology.memory_per_rank_bytes,
-        dense_shards=shards,
-        expert_shards=shards,
-        tensor_parallel=degrees.tensor_parallel,
-        training_dtype_bytes=training_bytes,
-        compute_dtype_bytes=compute_bytes,
-        loss_chunks=getattr(config.loss, "num_chunks", 1),
-        fsdp=fsdp,
-    )
-
-
 def _ac_mode(ac_config: Any) -> str:
     if ac_config is None:
         return "none"
@@ -513,23 +374,30 @@ def _ac_mode(ac_config: Any) -> str:
     )
 
 
+def _memory_knob(plan: LaunchPlan) -> tuple[str, str]:
+    """(the request field to change, how) for a plan that does not fit."""
+    m = plan.memory
+    cores = plan.topology.target.max_ranks() if plan.topology.device_type == "cpu" else 0
+    if plan.ranks_per_node > cores > 0:
+        return "ranks_per_node", f"pass {{ranks_per_node}} {cores} or fewer"
+    if m.activations + m.logits >= m.sharded_state + m.unsharded_transient:
+        if plan.activation_checkpoint != "full":
+            return "ac", "turn on full activation checkpointing with {ac} full"
+        if plan.local_batch > 1:
+            return "local_batch_size", f"lower {{local_batch_size}} below {plan.local_batch}"
+        return "seq_len", f"lower {{seq_len}} below {plan.seq_len} or raise {{tp}}"
+    return (
+        "nodes",
+        f"shard the weights over more ranks with {{nodes}} {plan.nodes * 2} or raise {{tp}}",
+    )
+
+
 def _memory_refusal(plan: LaunchPlan) -> str:
     m = plan.memory
-    need = m.total / GIB
-    have = m.available / GIB
     where = f"a {plan.topology.name} rank"
     if plan.topology.device_type == "neuron":
         where += f" at LNC {plan.lnc}"
-    if m.activations + m.logits >= m.sharded_state + m.unsharded_transient:
-        if plan.activation_checkpoint != "full":
-            knob = "turn on full activation checkpointing with --ac full"
-        elif plan.local_batch > 1:
-            knob = f"lower --local-batch-size below {plan.local_batch}"
-        else:
-            knob = f"lower --seq-len below {plan.seq_len} or raise --tp"
-    else:
-        knob = f"shard the weights over more ranks with --nodes {plan.nodes * 2} or raise --tp"
     return (
-        f"Recipe {plan.recipe!r} needs about {need:.1f} GiB per rank but {where} has "
-        f"{have:.1f} GiB ({USABLE_FRACTION:.0%} usable); {knob}."
+        f"Recipe {plan.recipe!r} needs about {m.total / GIB:.1f} GiB per rank but {where} has "
+        f"{m.available / GIB:.1f} GiB ({USABLE_FRACTION:.0%} usable); {_memory_knob(plan)[1]}."
     )

@@ -1,120 +1,268 @@
-"""Command-line flags shared by the commands that resolve a plan, and its human-readable form."""
+"""The command line of a `RunRequest`: one table of flags, shared by every command that resolves
+a plan, and the plan's human-readable form.
+
+Each flag sets the request field of its `dest`; a flag's first name is its name, the others are
+aliases kept for one release (`--ranks` for `--ranks-per-node`, `--dump-folder` for
+`--run-dir`). A refusal about a field is said with the spelling the user typed (`phrasing`).
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import TARGETS
-from qwentitan.launch.launcher.flags import positive
+from qwentitan.launch.launcher.flags import non_negative, positive
 from qwentitan.launch.launcher.plan import (
-    AC_MODES,
     DEFAULT_COMPILE_CACHE,
-    RESUME_MODES,
     LaunchPlan,
     resolve_plan,
 )
-from qwentitan.launch.launcher.plan_file import load_plan
+from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, RunRequest
+from qwentitan.launch.recipes import recipe_names
+
+__all__ = [
+    "FLAGS",
+    "LAYOUT",
+    "SHARED",
+    "add_request_flags",
+    "describe",
+    "flag_of",
+    "phrasing",
+    "plan_from_args",
+    "request_argv",
+    "request_from_args",
+]
 
 
-def add_plan_arguments(parser: Any, *, recipe_required: bool = True) -> None:
-    """The flags every command that resolves a plan accepts (plan, run, slurm, preflight)."""
-    parser.add_argument("--recipe", required=recipe_required, help="recipe function name")
-    parser.add_argument(
-        "--instance",
-        help=f"one of {', '.join(TARGETS)} (default: trn2.48xlarge for trn2 recipes, "
-        "else this host)",
-    )
-    parser.add_argument(
-        "--nodes",
-        "--nnodes",
-        dest="nodes",
-        type=positive,
-        default=1,
-        help="number of nodes (default 1)",
-    )
-    parser.add_argument(
-        "--lnc", type=positive, help="logical NeuronCore size, 1 or 2 (trn2 default 2)"
-    )
-    parser.add_argument("--ranks-per-node", type=positive, help="default: every logical core / GPU")
-    parser.add_argument("--fsdp", type=positive, help="FSDP degree (default: the remaining ranks)")
-    parser.add_argument("--tp", type=positive, help="tensor-parallel degree")
-    parser.add_argument("--ep", type=positive, help="expert-parallel degree (MoE recipes)")
-    parser.add_argument("--seq-len", type=positive, help="override the recipe's sequence length")
-    parser.add_argument("--local-batch-size", type=positive, help="override the local batch size")
-    parser.add_argument(
-        "--global-batch-size",
-        type=positive,
-        help="samples per optimizer step over all ranks (default: the recipe's per node, times "
-        "--nodes); a multiple of local batch x data-parallel ranks",
-    )
-    parser.add_argument("--ac", choices=AC_MODES, help="activation checkpointing mode")
-    parser.add_argument("--steps", type=positive, help="override the number of training steps")
-    parser.add_argument(
-        "--dump-folder", help="run folder for checkpoints and logs (shared by nodes)"
-    )
-    parser.add_argument(
-        "--checkpoint-interval", type=positive, help="save a checkpoint every N steps"
-    )
-    parser.add_argument(
-        "--compile-cache",
-        help="Neuron compile (NEFF) cache folder, kept across runs (default: "
-        f"$TORCH_NEURONX_NEFF_CACHE_DIR, else {DEFAULT_COMPILE_CACHE})",
-    )
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="-- OVERRIDE",
-        help="after `--`: torchtitan config overrides for every rank, checked by the plan, "
-        "e.g. `-- --compile.enable`",
-    )
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One request field on the command line."""
+
+    field: str
+    names: tuple[str, ...]
+    help: str
+    type: Callable[[str], Any] | None = positive
+    choices: tuple[str, ...] | None = None
 
 
-def add_resume_argument(parser: Any) -> None:
-    """`--resume` of the commands that launch or show a plan for one dump folder (plan, run)."""
-    parser.add_argument(
-        "--resume",
-        choices=RESUME_MODES,
-        default="auto",
-        help="the dump folder's checkpoints: fresh (refuse any), latest (continue the newest, "
-        "which must exist) or auto (latest if there is one: what a requeued job needs; default)",
+FLAGS = {
+    flag.field: flag
+    for flag in (
+        Flag("recipe", ("--recipe",), f"one of {', '.join(recipe_names())}", None),
+        Flag(
+            "instance",
+            ("--instance",),
+            f"one of {', '.join(TARGETS)} (default: trn2.48xlarge for trn2 recipes, else "
+            "this host: Neuron, else CUDA, else CPU)",
+            None,
+        ),
+        Flag("nodes", ("--nodes", "--nnodes"), "number of nodes (default 1)"),
+        Flag(
+            "ranks_per_node",
+            ("--ranks-per-node", "--ranks"),
+            "processes per node (default: every logical core / GPU; 2 on a CPU host, which "
+            "also takes more than it has cores)",
+        ),
+        Flag("lnc", ("--lnc",), "logical NeuronCore size, 1 or 2 (trn2 default 2)"),
+        Flag("tp", ("--tp",), "tensor-parallel degree"),
+        Flag("fsdp", ("--fsdp",), "FSDP degree (default: the ranks the other degrees leave)"),
+        Flag("ep", ("--ep",), "expert-parallel degree (MoE recipes; borrows FSDP's ranks)"),
+        Flag("pp", ("--pp",), "pipeline-parallel degree"),
+        Flag(
+            "dp_replicate",
+            ("--dp-replicate",),
+            "data-parallel replicas, each sharded by --fsdp (HSDP)",
+        ),
+        Flag("ac", ("--ac",), "activation checkpointing mode", None, AC_MODES),
+        Flag(
+            "global_batch_size",
+            ("--global-batch-size",),
+            "samples per optimizer step over all ranks (default: the recipe's per node, times "
+            "--nodes); a multiple of local batch x data-parallel ranks",
+        ),
+        Flag("seq_len", ("--seq-len",), "tokens per sample (default: the recipe's)"),
+        Flag("local_batch_size", ("--local-batch-size",), "samples per rank per step"),
+        Flag("steps", ("--steps",), "total steps to reach (default: the recipe's)"),
+        Flag(
+            "stop_after",
+            ("--stop-after",),
+            "stop after this step with a checkpoint (resume later)",
+        ),
+        Flag(
+            "run_dir",
+            ("--run-dir", "--dump-folder"),
+            "run folder for checkpoints, logs and reports (shared by the nodes)",
+            None,
+        ),
+        Flag(
+            "resume",
+            ("--resume",),
+            "the run folder's checkpoints: fresh (refuse any), latest (continue the newest, "
+            "which must exist; a bare --resume) or auto (latest if there is one, else fresh)",
+            None,
+            RESUME_MODES,
+        ),
+        Flag("checkpoint_interval", ("--checkpoint-interval",), "save a checkpoint every N steps"),
+        Flag(
+            "compile_cache",
+            ("--compile-cache",),
+            "Neuron compile (NEFF) cache folder, kept across runs (default: "
+            f"$TORCH_NEURONX_NEFF_CACHE_DIR, else {DEFAULT_COMPILE_CACHE})",
+            None,
+        ),
+        Flag(
+            "dataset",
+            ("--dataset",),
+            "`offline`, a c4-style JSON-lines file or folder, or a Hub dataset name",
+            None,
+        ),
+        Flag(
+            "tokenizer",
+            ("--tokenizer",),
+            "Hugging Face model folder holding tokenizer.json (default: the recipe's)",
+            None,
+        ),
+        Flag(
+            "validate_every",
+            ("--validate-every",),
+            "validation loss every N steps (default: the recipe's)",
+        ),
+        Flag(
+            "rdzv_endpoint",
+            ("--rdzv-endpoint",),
+            "HOST:PORT of the c10d rendezvous, on the first node (default localhost:0, one node)",
+            None,
+        ),
+        Flag(
+            "max_restarts",
+            ("--max-restarts",),
+            "torchrun restarts of the whole group after a rank fails; each resumes from the "
+            "last checkpoint",
+            non_negative,
+        ),
     )
+}
+# The layout of a run: one meaning on every command, the pilot's included.
+LAYOUT = ("tp", "fsdp", "ep", "pp", "dp_replicate", "ac", "global_batch_size")
+# What every command that resolves a plan takes (train, plan, run, slurm, preflight).
+SHARED = (
+    *("recipe", "instance", "nodes", "ranks_per_node", "lnc"),
+    *LAYOUT,
+    *("seq_len", "local_batch_size", "steps", "stop_after"),
+    *("run_dir", "resume", "checkpoint_interval", "compile_cache"),
+    *("dataset", "tokenizer", "validate_every"),
+)
 
 
-def plan_from_args(args: Any, **extra: Any) -> LaunchPlan:
+class _Spelled(argparse.Action):
+    """Stores the value under the field's name and remembers how the user spelled the flag."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        spelled = dict(getattr(namespace, "spelled", None) or {})
+        spelled[self.dest] = option
+        namespace.spelled = spelled
+
+
+def add_request_flags(
+    parser: argparse.ArgumentParser,
+    fields: Iterable[str] = SHARED,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    required: Iterable[str] = (),
+    helps: Mapping[str, str] | None = None,
+    overrides: bool = True,
+) -> None:
+    """Add the flags of `fields` (and, with `overrides`, the torchtitan overrides after `--`).
+    Unset flags are None, so the request keeps its own defaults unless `defaults` says else;
+    `helps` replaces a flag's help where the command gives it another default."""
+    defaults, helps = dict(defaults or {}), dict(helps or {})
+    for name in fields:
+        flag = FLAGS[name]
+        extra: dict[str, Any] = {"choices": flag.choices} if flag.choices else {}
+        if name == "resume":
+            extra.update(nargs="?", const="latest")  # a bare --resume continues the latest
+        parser.add_argument(
+            *flag.names,
+            dest=name,
+            action=_Spelled,
+            type=flag.type,
+            default=defaults.get(name),
+            required=name in required,
+            help=helps.get(name, flag.help)
+            + (f" (default {defaults[name]})" if name in defaults else ""),
+            **extra,
+        )
+    if overrides:
+        parser.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="-- OVERRIDE",
+            help="after `--`: torchtitan config overrides for every rank, checked by the plan, "
+            "e.g. `-- --compile.enable`",
+        )
+
+
+def request_from_args(args: argparse.Namespace, **changes: Any) -> RunRequest:
+    """The request the parsed flags ask for; `changes` are the command's own choices."""
+    given = {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(RunRequest)
+        if getattr(args, field.name, None) is not None
+    }
+    given["overrides"] = tuple(getattr(args, "overrides", None) or ())
+    return RunRequest(**{**given, **changes})
+
+
+def request_argv(request: RunRequest, fields: Iterable[str]) -> list[str]:
+    """The flags that ask for `request`'s `fields` (those not at their default), then its
+    overrides after `--`: how one command hands a request to another (the pilot to `train`)."""
+    words: list[str] = []
+    for name in fields:
+        value = getattr(request, name)
+        if value is not None and value != _default(name):
+            words += [FLAGS[name].names[0], str(value)]
+    return [*words, "--", *request.overrides] if request.overrides else words
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(RunRequest) if f.name == name)
+
+
+def flag_of(field: str) -> str:
+    """The flag that sets request field `field`."""
+    flag = FLAGS.get(field)
+    return flag.names[0] if flag else "--" + field.replace("_", "-")
+
+
+def phrasing(args: argparse.Namespace | None) -> Callable[[str], str]:
+    """How the command line names a request field: as the user spelled its flag, else its flag."""
+    spelled = getattr(args, "spelled", None) or {}
+    return lambda field: spelled.get(field) or flag_of(field)
+
+
+def plan_from_args(args: argparse.Namespace, **changes: Any) -> LaunchPlan:
     """The plan the command line asks for: resolved from the flags, or read from `--plan FILE`
     (a plan `slurm` wrote: every node runs exactly it)."""
     if getattr(args, "plan", None):
+        from qwentitan.launch.launcher.plan_file import load_plan
+
         if args.recipe:
             raise LaunchError(
-                "--plan FILE already names the recipe and every setting; drop --recipe and the "
-                "other plan flags, or drop --plan."
+                "--plan FILE already names the recipe and every setting; drop {recipe} and the "
+                "other plan flags, or drop --plan.",
+                field="recipe",
             )
-        return load_plan(args.plan, **extra)
-    if not args.recipe:
-        raise LaunchError("Name the run: pass --recipe NAME (or --plan FILE).")
-    extra = {k: v for k, v in extra.items() if v is not None}  # unset: resolve_plan's default
-    return resolve_plan(
-        args.recipe,
-        instance=args.instance,
-        nodes=args.nodes,
-        lnc=args.lnc,
-        ranks_per_node=args.ranks_per_node,
-        fsdp=args.fsdp,
-        tp=args.tp,
-        ep=args.ep,
-        seq_len=args.seq_len,
-        local_batch=args.local_batch_size,
-        global_batch=args.global_batch_size,
-        activation_checkpoint=args.ac,
-        steps=args.steps,
-        compile_cache=args.compile_cache,
-        dump_folder=args.dump_folder,
-        checkpoint_interval=args.checkpoint_interval,
-        extra_overrides=list(getattr(args, "overrides", None) or []),
-        resume=getattr(args, "resume", "auto"),
-        **extra,
-    )
+        return load_plan(args.plan, **changes)
+    if not getattr(args, "recipe", None):
+        raise LaunchError("Name the run: pass {recipe} NAME (or --plan FILE).", field="recipe")
+    changes = {k: v for k, v in changes.items() if v is not None}  # unset: the request's default
+    return resolve_plan(request_from_args(args, **changes))
 
 
 def describe(plan: LaunchPlan) -> str:
@@ -131,6 +279,7 @@ def describe(plan: LaunchPlan) -> str:
         f"ranks         {plan.world_size} = {plan.nodes} x {plan.ranks_per_node} per node, "
         f"{t.device_type} / {t.backend}"
         + (f", LNC {plan.lnc}" if t.device_type == "neuron" else ""),
+        *([f"note          {plan.note}"] if plan.note else []),
         f"parallelism   FSDP {p['fsdp']}  TP {p['tp']}  EP {p['ep']}  CP {p['cp']}  PP {p['pp']}"
         f"  DP-replicate {p['dp_replicate']}",
         f"batch         seq len {plan.seq_len} (multiple of {rule['multiple_of']}: "

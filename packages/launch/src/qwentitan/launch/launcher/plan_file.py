@@ -19,6 +19,7 @@ from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import get_topology
 from qwentitan.launch.launcher.plan import LaunchPlan, plan_from_overrides
+from qwentitan.launch.launcher.request import RunRequest
 
 __all__ = ["FORMAT", "load_plan", "save_plan"]
 
@@ -58,20 +59,26 @@ def load_plan(
     overrides = list(record["overrides"])
     # As resolved: a batch scaled with the nodes is pinned in the overrides, not scaled again.
     pinned = "--training.global-batch-size" in overrides
-    topology = get_topology(
-        record["instance"], lnc=record["lnc"], ranks_per_node=record["ranks_per_node"]
-    )
-    return plan_from_overrides(
-        record["recipe"],
-        topology,
-        overrides,
+    request = RunRequest(
+        recipe=record["recipe"],
+        instance=record["instance"],
+        lnc=record["lnc"],
+        ranks_per_node=record["ranks_per_node"],
         nodes=int(record["nodes"]),
-        global_batch=record["plan"]["global_batch"] if pinned else None,
-        shell=env_defaults.shell(),
-        env=(dict(record["env"]), dict(record["env_sources"])),
+        global_batch_size=record["plan"]["global_batch"] if pinned else None,
         rdzv_endpoint=rdzv_endpoint,
         max_restarts=record["max_restarts"] if max_restarts is None else max_restarts,
         resume=record["resume"],
+    )
+    topology = get_topology(
+        request.instance, lnc=request.lnc, ranks_per_node=request.ranks_per_node
+    )
+    return plan_from_overrides(
+        request,
+        topology,
+        overrides,
+        shell=env_defaults.shell(),
+        env=(dict(record["env"]), dict(record["env_sources"])),
     )
 
 

@@ -1,7 +1,8 @@
 """The rules a plan is checked by, one function each: parallel degrees, the global batch, the
 ranges of config values, the loss's chunks, `--stop-after`, the compile backend, the model's
-positions, the layouts a model cannot train (`check_layout`). `resolve_plan` applies them all to the config every rank will build, so a value is
-checked the same whether it came from one of our flags or from a torchtitan override. Each
+positions, the layouts a model cannot train (`check_layout`). `resolve_plan` applies them all
+to the config every rank will build, so a value is checked the same whether it came from one of
+our flags or from a torchtitan override. Each
 refusal is a `LaunchError` of one sentence naming the fix.
 """
 
@@ -18,6 +19,7 @@ from qwentitan.launch.base.target import Topology
 __all__ = [
     "NEURON_COMPILE_BACKEND",
     "ParallelDegrees",
+    "check_compile_with_nki",
     "check_layout",
     "check_loss_chunks",
     "check_ranges",
@@ -63,36 +65,38 @@ def max_positions(model: Any) -> int | None:
     return getattr(model, "max_seq_len", None)
 
 
-# Config values the launcher's own flags range-check (argparse, `flags.whole_number`), checked
-# the same way when they come as torchtitan overrides: (path, lowest, the launcher's flag).
+# Config values the run request range-checks, checked the same way when they come as
+# torchtitan overrides: (path, lowest, the request field that sets it).
 _RANGES = (
-    ("training.steps", 1, "--steps"),
-    ("training.seq_len", 1, "--seq-len"),
-    ("training.local_batch_size", 1, "--local-batch-size"),
-    ("checkpoint.interval", 1, "--checkpoint-interval"),
-    ("validator.freq", 1, "--validate-every"),
-    ("parallelism.data_parallel_replicate_degree", 1, None),
-    ("stop_after", 1, "--stop-after"),
+    ("training.steps", 1, "steps"),
+    ("training.seq_len", 1, "seq_len"),
+    ("training.local_batch_size", 1, "local_batch_size"),
+    ("checkpoint.interval", 1, "checkpoint_interval"),
+    ("validator.freq", 1, "validate_every"),
+    ("parallelism.data_parallel_replicate_degree", 1, "dp_replicate"),
+    ("stop_after", 1, "stop_after"),
 )
 
 
 def check_ranges(config: Any) -> None:
-    for path, low, flag in _RANGES:
+    for path, low, field in _RANGES:
         value: Any = config
         for name in path.split("."):
             value = getattr(value, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < low:
             override = "--" + path.replace("_", "-")
-            ours = f" (or {flag})" if flag and flag != override else ""
+            ours = f" (or {{{field}}})" if field != path else ""
             raise LaunchError(
                 f"{override} {value} is out of range; pass a whole number of {low} or more "
-                f"with {override}{ours}."
+                f"with {override}{ours}.",
+                field=field,
             )
     batch = config.training.global_batch_size
     if batch < 1 and batch != -1:
         raise LaunchError(
             f"--training.global-batch-size {batch} is out of range; pass a whole number of 1 or "
-            "more with --global-batch-size (or -1: one local batch per data-parallel rank)."
+            "more with {global_batch_size} (or -1: one local batch per data-parallel rank).",
+            field="global_batch_size",
         )
 
 
@@ -106,23 +110,25 @@ def check_loss_chunks(config: Any, seq_len: int, context_parallel: int) -> None:
     if local % chunks:
         fits = -(-seq_len // (chunks * context_parallel)) * chunks * context_parallel
         raise LaunchError(
-            f"--seq-len {seq_len} does not split into the loss's {chunks} chunks "
+            f"{{seq_len}} {seq_len} does not split into the loss's {chunks} chunks "
             f"(ChunkedLossWrapper, --loss.num-chunks) on each of {context_parallel} "
-            f"context-parallel rank(s); pass --seq-len {fits} or another multiple of "
-            f"{chunks * context_parallel}."
+            f"context-parallel rank(s); pass {{seq_len}} {fits} or another multiple of "
+            f"{chunks * context_parallel}.",
+            field="seq_len",
         )
 
 
 def check_stop_after(config: Any, resume: str) -> None:
-    """`--stop-after` must fall after the step the run resumes from and before its last step."""
+    """`stop_after` must fall after the step the run resumes from and before its last step."""
     stop_after = getattr(config, "stop_after", None)
     if stop_after is None:
         return
     steps = config.training.steps
     if stop_after >= steps:
         raise LaunchError(
-            f"--stop-after {stop_after} is not before the last step {steps}; pass "
-            f"--stop-after {steps - 1} or less, or raise --steps."
+            f"{{stop_after}} {stop_after} is not before the last step {steps}; pass "
+            f"{{stop_after}} {steps - 1} or less, or raise {{steps}}.",
+            field="stop_after",
         )
     if resume == "fresh" or not config.checkpoint.enable:
         return
@@ -132,8 +138,9 @@ def check_stop_after(config: Any, resume: str) -> None:
     saved = saved_steps(folder)
     if saved and stop_after <= saved[-1]:
         raise LaunchError(
-            f"--stop-after {stop_after} is not after step {saved[-1]}, where the run resumes "
-            f"from {folder}; pass --stop-after {saved[-1] + 1} or more."
+            f"{{stop_after}} {stop_after} is not after step {saved[-1]}, where the run resumes "
+            f"from {folder}; pass {{stop_after}} {saved[-1] + 1} or more.",
+            field="stop_after",
         )
 
 
@@ -153,10 +160,31 @@ def compile_backend(config: Any, topology: Topology, overrides: list[str]) -> st
     return NEURON_COMPILE_BACKEND
 
 
+def check_compile_with_nki(config: Any, topology: Topology) -> None:
+    """A compiled Neuron run whose model launches NKI kernels is refused: torch-neuronx runs an
+    NKI kernel inside `torch.compile` only when it is registered with `nki_op` ("How to work
+    with NKI kernels from torch-neuronx", Neuron SDK 2.33), and qwentitan's custom ops call
+    their `@nki.jit` kernels plainly, which TorchNeuron documents for eager mode, the mode AWS's
+    MoE kernels example runs. Called by `plan_from_overrides` beside `compile_backend`."""
+    spec = getattr(config, "model_spec", None)
+    if topology.device_type != "neuron" or not config.compile.enable or spec is None:
+        return
+    from qwentitan.modeling.kernel_path import rules_in
+
+    nki_ops = sorted({rule.op for rule in rules_in(spec.model) if rule.use_nki and rule.op})
+    if nki_ops:
+        raise LaunchError(
+            f"--compile.enable with qwentitan's NKI kernels ({', '.join(nki_ops)}) is not "
+            f"supported on {topology.name}: they are not registered with nki_op, so they run in eager mode "
+            "only (as AWS's MoE kernels example runs); drop --compile.enable, or choose their "
+            "reference twins (`-- --kernels rope=reference,experts=reference`)."
+        )
+
+
 def global_batch_size(
     recipe_batch: int, *, local: int, batch_ranks: int, nodes: int, pinned: bool
 ) -> int:
-    """Samples per optimizer step: pinned by --global-batch-size, else it follows the world size.
+    """Samples per optimizer step: pinned by the request, else it follows the world size.
 
     A recipe's global batch is what one node takes (it is written for one instance), so N nodes
     take N times it with the same gradient accumulation; a recipe without one takes one local
@@ -164,7 +192,7 @@ def global_batch_size(
     """
     micro = local * batch_ranks
     if pinned:
-        batch, source = recipe_batch, "--global-batch-size"
+        batch, source = recipe_batch, "{global_batch_size}"
     elif recipe_batch > 0:
         batch = recipe_batch * nodes
         source = f"the recipe's {recipe_batch} per node x {nodes} node{'s' * (nodes > 1)}"
@@ -174,8 +202,9 @@ def global_batch_size(
         fits = max(micro, round(batch / micro) * micro)
         raise LaunchError(
             f"Global batch {batch} is not a multiple of local batch {local} x {batch_ranks} "
-            f"data-parallel ranks = {micro} ({source}); pass --global-batch-size {fits} "
-            f"(or another multiple of {micro})."
+            f"data-parallel ranks = {micro} ({source}); pass {{global_batch_size}} {fits} "
+            f"(or another multiple of {micro}).",
+            field="global_batch_size",
         )
     return batch
 
@@ -187,21 +216,20 @@ def resolve_degrees(parallelism: Any, world: int, topology: Topology) -> Paralle
     rep = parallelism.data_parallel_replicate_degree
     shard = parallelism.data_parallel_shard_degree
     ep = parallelism.expert_parallel_degree
-    for name, value in (
-        ("--tp", tp),
-        ("--ep", ep),
-        ("context parallel", cp),
-        ("pipeline parallel", pp),
-    ):
+    for name, value in (("{tp}", tp), ("{ep}", ep), ("context parallel", cp), ("{pp}", pp)):
         if value < 1:
-            raise LaunchError(f"Parallel degree {name} must be at least 1, not {value}.")
+            field = name.strip("{}") if name.startswith("{") else None
+            raise LaunchError(
+                f"Parallel degree {name} must be at least 1, not {value}.", field=field
+            )
     others = tp * cp * pp * rep
     where = f"{world} ranks ({topology.name}, LNC {topology.lnc})"
     if shard == -1:
         if world % others:
             raise LaunchError(
                 f"TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = {others} does not divide the "
-                f"world size of {where}; choose --tp dividing {world}."
+                f"world size of {where}; choose {{tp}} dividing {world}.",
+                field="tp",
             )
         shard = world // others
     degrees = ParallelDegrees(shard, rep, tp, cp, pp, ep)
@@ -210,13 +238,15 @@ def resolve_degrees(parallelism: Any, world: int, topology: Topology) -> Paralle
         raise LaunchError(
             f"FSDP {shard} x TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = "
             f"{degrees.product()} is not the world size of {where}; "
-            f"drop --fsdp to let it fill the remaining ranks, or make the product {world}."
+            f"drop {{fsdp}} to let it fill the remaining ranks, or make the product {world}.",
+            field="fsdp",
         )
     dense = shard * cp * tp
     if dense % ep:
         raise LaunchError(
             f"Expert parallelism {ep} does not divide FSDP x CP x TP = {dense} on {where}; "
-            f"choose --ep dividing {dense}."
+            f"choose {{ep}} dividing {dense}.",
+            field="ep",
         )
     return degrees
 
@@ -229,15 +259,18 @@ def _check_expert_ranks(degrees: ParallelDegrees, world: int) -> None:
         raise LaunchError(
             f"Expert parallelism borrows its ranks from FSDP x CP x TP instead of adding its own, "
             f"so FSDP {degrees.data_parallel_shard} x EP {ep} covers {product} ranks, not "
-            f"{world}; pass --fsdp {fsdp} --ep {ep} to shard the experts {ep} ways within FSDP "
-            f"{fsdp}."
+            f"{world}; pass {{fsdp}} {fsdp} {{ep}} {ep} to shard the experts {ep} ways within "
+            f"FSDP {fsdp}.",
+            field="ep",
         )
 
 
-_FLAGS = {
-    "TP": "--tp",
-    "PP": "--pp",
-    "EP": "--ep",
+# How a sentence names each degree's setting: a request field, or (CP, which the request does
+# not hold) torchtitan's own override.
+_SETTINGS = {
+    "TP": "{tp}",
+    "PP": "{pp}",
+    "EP": "{ep}",
     "CP": "--parallelism.context-parallel-degree",
 }
 
@@ -266,11 +299,12 @@ def check_hf_layout(config: Any, degrees: ParallelDegrees, recipe: str) -> None:
     if not isinstance(config.model_spec.model, HFQwen3Model.Config):
         return
     layout = " x ".join(f"{name} {value}" for name, value in bad.items())
-    flags = " and ".join(f"{_FLAGS[name]} 1" for name in bad)
+    settings = " and ".join(f"{_SETTINGS[name]} 1" for name in bad)
     raise LaunchError(
         f"Recipe {recipe!r} trains transformers' own model (the hf path), which shards with "
-        f"FSDP only, not {layout}; pass {flags}, or train a native-path recipe (torchtitan's "
-        "model, e.g. tiny_dense) for that layout."
+        f"FSDP only, not {layout}; pass {settings}, or train a native-path recipe "
+        "(torchtitan's model, e.g. tiny_dense) for that layout.",
+        field=next((name.lower() for name in bad if name != "CP"), None),
     )
 
 
@@ -283,7 +317,7 @@ def check_context_parallel(config: Any, degrees: ParallelDegrees, topology: Topo
         raise LaunchError(
             f"Context parallelism {cp} does not train on CPU (torchtitan runs it with "
             "FlexAttention, which has no CPU backward, or SDPA, whose CPU flash kernel has no "
-            f"DTensor rule); pass {_FLAGS['CP']} 1 here."
+            f"DTensor rule); pass {_SETTINGS['CP']} 1 here."
         )
     attention = getattr(
         getattr(config.model_spec.model, "first_attention", None), "inner_attention", None
@@ -293,7 +327,7 @@ def check_context_parallel(config: Any, degrees: ParallelDegrees, topology: Topo
         raise LaunchError(
             f"Context parallelism {cp} runs only with FlexAttention under torchtitan's "
             f"{backend!r} backend, and this model's attention on {topology.name} is "
-            f"{type(attention).__qualname__.split('.')[0]}; pass {_FLAGS['CP']} 1."
+            f"{type(attention).__qualname__.split('.')[0]}; pass {_SETTINGS['CP']} 1."
         )
 
 
@@ -303,8 +337,9 @@ def check_pipeline_tying(config: Any, degrees: ParallelDegrees, recipe: str) -> 
     if pp > 1 and getattr(config.model_spec.model, "enable_weight_tying", False):
         raise LaunchError(
             f"Recipe {recipe!r} ties its input embedding to its output head, which pipeline "
-            f"parallelism {pp} would put in different stages; pass --pp 1, or pick a recipe "
-            "with untied embeddings (e.g. tiny_moe)."
+            f"parallelism {pp} would put in different stages; pass {{pp}} 1, or pick a recipe "
+            "with untied embeddings (e.g. tiny_moe).",
+            field="pp",
         )
 
 

@@ -83,19 +83,20 @@ def check_resumable(
     model: Shapes,
     recipe: str,
     *,
-    folder_flag: str = "--run-dir",
-    fresh: str = "start fresh without --resume",
+    fresh: str | None = None,
 ) -> int:
     """The step torchtitan will resume in `folder`; LaunchError if its checkpoint is unusable.
 
-    `model` is `state_shapes(config)`. The refusals name `folder_flag` (the command's flag for
-    the run folder) and `fresh` (how that command starts a run from scratch).
+    `model` is `state_shapes(config)`. `fresh`: how to start from scratch instead, naming
+    request fields as `{field}` (default: leave `resume` out).
     """
+    fresh = fresh or "start fresh without {resume}"
     steps = saved_steps(folder)
     if not steps:
         raise LaunchError(
-            f"There is no checkpoint to resume in {folder}; run once without --resume first, "
-            f"or pass the {folder_flag} of an earlier run."
+            f"There is no checkpoint to resume in {folder}; run once without {{resume}} first, "
+            "or pass the {run_dir} of an earlier run.",
+            field="resume",
         )
     latest = folder / f"step-{steps[-1]}"
     damage = _damage(latest)
@@ -108,20 +109,22 @@ def check_resumable(
             if earlier is not None
             else fresh
         )
-        raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.")
+        raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.", field="resume")
     if saved_ranks := _data_ranks(latest):
         # qwentitan's loader saves one data position for all ranks (runtime/data/loader.py),
         # which resumes under any data-parallel degree; torchtitan's saved one per rank.
         raise LaunchError(
             f"{latest} holds one data position per data-parallel rank ({saved_ranks}), as "
-            f"qwentitan saved them before it kept one for all ranks, and this loader cannot "
-            f"read them; pass another {folder_flag} to start fresh."
+            "qwentitan saved them before it kept one for all ranks, and this loader cannot "
+            "read them; pass another {run_dir} to start fresh.",
+            field="run_dir",
         )
     mismatch = _mismatch(latest, model)
     if mismatch is not None:
         raise LaunchError(
-            f"{latest} {mismatch}, so it is another model's checkpoint; pass the {folder_flag} of "
-            f"a {recipe} run, or another {folder_flag} to start fresh."
+            f"{latest} {mismatch}, so it is another model's checkpoint; pass the {{run_dir}} of "
+            f"a {recipe} run, or another {{run_dir}} to start fresh.",
+            field="run_dir",
         )
     return steps[-1]
 

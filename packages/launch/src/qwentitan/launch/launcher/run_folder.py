@@ -44,7 +44,7 @@ LATEST = "latest"
 LOCK_FILE = "run.lock"
 
 
-def _take_lock(folder: Path, *, folder_flag: str) -> int:
+def _take_lock(folder: Path) -> int:
     """An open descriptor holding `folder/run.lock` exclusively; LaunchError naming the holder."""
     fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -54,7 +54,8 @@ def _take_lock(folder: Path, *, folder_flag: str) -> int:
         os.close(fd)
         raise LaunchError(
             f"Run folder {folder} is in use by another run ({holder}); wait for it to end, or "
-            f"pass another {folder_flag}."
+            "pass another {run_dir}.",
+            field="run_dir",
         ) from None
     except BaseException:
         os.close(fd)
@@ -62,7 +63,7 @@ def _take_lock(folder: Path, *, folder_flag: str) -> int:
     return fd
 
 
-def check_run_folder(folder: Path, *, folder_flag: str) -> None:
+def check_run_folder(folder: Path) -> None:
     """Refuse, before any other check, a run folder that is not a writable folder (or cannot be
     created as one) or that another run is training in right now."""
     probe = folder
@@ -70,27 +71,31 @@ def check_run_folder(folder: Path, *, folder_flag: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         what = "is" if probe == folder else f"is inside {probe}, which is"
-        raise LaunchError(f"Run folder {folder} {what} not a folder; pass another {folder_flag}.")
+        raise LaunchError(
+            f"Run folder {folder} {what} not a folder; pass another {{run_dir}}.", field="run_dir"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise LaunchError(
             f"Run folder {folder} cannot be written ({probe} is read-only for this user); pass "
-            f"another {folder_flag}."
+            "another {run_dir}.",
+            field="run_dir",
         )
     if (folder / LOCK_FILE).is_file():
         with contextlib.suppress(OSError):
-            os.close(_take_lock(folder, folder_flag=folder_flag))
+            os.close(_take_lock(folder))
 
 
 @contextlib.contextmanager
-def hold_run_folder(folder: Path, *, folder_flag: str) -> Iterator[None]:
+def hold_run_folder(folder: Path) -> Iterator[None]:
     """Hold `folder`'s lock (creating the folder) while the block runs; the lock file names
     this process and its start, for the sentence a second run gets."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd = _take_lock(folder, folder_flag=folder_flag)
+        fd = _take_lock(folder)
     except OSError as error:
         raise LaunchError(
-            f"Run folder {folder} cannot be written ({error.strerror}); pass another {folder_flag}."
+            f"Run folder {folder} cannot be written ({error.strerror}); pass another {{run_dir}}.",
+            field="run_dir",
         ) from None
     try:
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -126,11 +131,11 @@ def latest_run_folder(base: Path) -> Path | None:
     latest = base / LATEST
     if not latest.is_symlink():
         return None
-    target = resolved(latest, folder_flag="--run-dir")
+    target = resolved(latest)
     return target if target.is_dir() else None
 
 
-def resolved(folder: Path, *, folder_flag: str) -> Path:
+def resolved(folder: Path) -> Path:
     """`folder` made absolute with its links followed; LaunchError for a link loop."""
     folder = folder.expanduser()
     try:
@@ -145,16 +150,15 @@ def resolved(folder: Path, *, folder_flag: str) -> Path:
     except (OSError, RuntimeError) as error:  # RuntimeError: Python 3.11's "Symlink loop"
         raise LaunchError(
             f"{folder} is a symbolic link that never reaches a folder ({error}); point it at a "
-            f"run folder or remove it, or pass another {folder_flag}."
+            "run folder or remove it, or pass another {run_dir}.",
+            field="run_dir",
         ) from None
 
 
-def check_checkpoints(
-    plan: LaunchPlan, *, folder_flag: str, resume_flag: str, fresh: str | None = None
-) -> int | None:
+def check_checkpoints(plan: LaunchPlan, *, folder_given: bool = True) -> int | None:
     """The step the ranks resume from (None: they start at step 1), checked against
-    `plan.resume`; LaunchError naming `folder_flag` / `resume_flag` when the folder disagrees.
-    `fresh` is how to start from scratch instead (default: another `folder_flag`)."""
+    `plan.resume`. `folder_given`: the user named the run folder; otherwise (`train` picks
+    one) a fresh start means leaving resume out rather than another folder."""
     from qwentitan.launch.launcher.resume import check_resumable, saved_steps, state_shapes
 
     folder = plan.checkpoint_folder
@@ -163,8 +167,9 @@ def check_checkpoints(
     steps = saved_steps(folder)
     if plan.resume == "fresh" and steps:
         raise LaunchError(
-            f"{folder} already holds checkpoints (newest step-{steps[-1]}); pass {resume_flag} to "
-            f"continue them, or another {folder_flag} to start a fresh run."
+            f"{folder} already holds checkpoints (newest step-{steps[-1]}); pass {{resume}} to "
+            "continue them, or another {run_dir} to start a fresh run.",
+            field="resume",
         )
     if plan.resume == "fresh" or (plan.resume == "auto" and not steps):
         return None
@@ -172,13 +177,13 @@ def check_checkpoints(
         folder,
         state_shapes(plan.config),
         plan.recipe,
-        folder_flag=folder_flag,
-        fresh=fresh or f"pass another {folder_flag} to start fresh",
+        fresh="pass another {run_dir} to start fresh" if folder_given else None,
     )
     if step >= plan.steps:
         raise LaunchError(
-            f"The checkpoint in {folder} is already at step {step}; pass --steps {step + 1} or "
-            "more to continue."
+            f"The checkpoint in {folder} is already at step {step}; pass {{steps}} {step + 1} "
+            "or more to continue.",
+            field="steps",
         )
     return step
 
@@ -236,11 +241,13 @@ def planned_checkpoint_bytes(plan: LaunchPlan) -> int:
     return max(at_an_interval, keep * full_state + final)
 
 
-def check_free_disk(plan: LaunchPlan, *, folder_flag: str) -> None:
+def check_free_disk(plan: LaunchPlan) -> None:
     """Refuse a run whose planned checkpoints (`planned_checkpoint_bytes`: measured against real
     saves) do not fit on the disk of its run folder, before step 1."""
     from qwentitan.checkpoint.files import disk_room  # its package imports torch, for now
 
     room = disk_room(plan.checkpoint_folder, planned_checkpoint_bytes(plan))
     if not room.enough:
-        raise LaunchError(room.shortage(f"free space there or pass another {folder_flag}"))
+        raise LaunchError(
+            room.shortage("free space there or pass another {run_dir}"), field="run_dir"
+        )

@@ -20,6 +20,7 @@ from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
+from qwentitan.kernels import KernelChoices
 from qwentitan.launch.base.target import Target
 from qwentitan.launch.recipes import recipe_info
 from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
@@ -45,7 +46,7 @@ def metrics_config(recipe: str = "", path: str = "") -> MetricsProcessor.Config:
     return tracked_metrics(recipe, path)
 
 
-def tiny_model(flavor: str, path: str, target: Target):
+def tiny_model(flavor: str, path: str, target: Target, kernels: KernelChoices | None = None):
     """The tiny model as it trains on `target` (the config's `model_for`)."""
     # The Target names the attention that trains there (SDPA on CPU: FlexAttention has no CPU
     # backward). torchtitan computes MoE experts in bfloat16, which a CPU only emulates; in
@@ -55,6 +56,7 @@ def tiny_model(flavor: str, path: str, target: Target):
         path,
         attn_backend=target.attention,
         float32_experts=target.device_type == "cpu",
+        kernels=kernels,
     )
     if target.backend == "gloo" and get_flavor(flavor).is_moe:
         # gloo's all-to-all takes uneven token splits only in its single-tensor form

@@ -40,6 +40,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
+from qwentitan.kernels import KernelChoices
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.target import Target
 from qwentitan.launch.recipes import TRN2_RECIPES, recipe_info
@@ -68,11 +69,11 @@ def qwen3_8b_folder() -> str:
     return env_defaults.model_folder("QWENTITAN_QWEN3_8B_DIR")
 
 
-def trn2_model(flavor: str, path: str, target: Target):
+def trn2_model(flavor: str, path: str, target: Target, kernels: KernelChoices | None = None):
     """The model as it trains on `target` (the config's `model_for`): its attention."""
     from qwentitan.modeling import model_spec
 
-    return model_spec(flavor, path, attn_backend=target.attention)
+    return model_spec(flavor, path, attn_backend=target.attention, kernels=kernels)
 
 
 def _model_for(flavor: str, recipe: str):

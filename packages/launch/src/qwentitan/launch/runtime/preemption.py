@@ -18,7 +18,9 @@ user's Ctrl-C (SIGINT) all give a job a short grace period. Two halves:
   dies (`PR_SET_PDEATHSIG`): the agent then SIGTERMs the ranks, which checkpoint. The agent runs
   with SIGUSR1 ignored: it has no handler and would die of it. A SIGTERM that reaches the agent
   itself (SLURM signals every process of a step) makes it send SIGTERM to the ranks and wait
-  30 s before SIGKILL: a step plus a checkpoint must fit in that.
+  30 s before SIGKILL: a step plus a checkpoint must fit in that. The pilot runs each of its
+  child `train`s through the same `SignalForwarder`, passing signals to the child and stopping
+  after it.
 
 A later run with the same dump folder resumes from that checkpoint; torchrun's
 `--max-restarts` does the same after a crash, from the last interval checkpoint.
@@ -33,8 +35,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -148,32 +151,76 @@ def ranks_of(agent_pid: int) -> list[int]:
         return []
 
 
-def supervise(argv: Sequence[str], env: dict[str, str], *, poll_seconds: float = 0.2) -> int:
-    """Run torchrun (`argv`) as this process's only child, passing every signal this process
-    gets on to the ranks, until the agent exits; its exit code (see the module doc).
+class SignalForwarder:
+    """Every FORWARDED signal this process gets, passed on to the processes of the child it runs.
 
-    Signals are delivered from a polling loop rather than the handler, so one that arrives
-    before the ranks exist (or across a torchrun restart) still reaches every rank once.
+    `targets(child_pid)` names who gets them: a torchrun agent's ranks (`ranks_of`: `supervise`,
+    in `train` and `run`), or the child itself (the pilot's child `train`, which passes them on
+    to its own ranks). Signals are delivered from `run`'s polling loop rather than the handler,
+    so one that arrives before the targets exist (or across a torchrun restart) still reaches
+    each of them once. With `interrupting`, a signal means "stop after this child": `run`
+    raises KeyboardInterrupt when its child ends, and a signal while no child runs raises it at
+    once. Installed on purpose, also where this process started with SIGINT ignored (a
+    background job, nox).
     """
-    received: list[signal.Signals] = []
-    delivered: dict[int, int] = {}  # rank pid -> how many of `received` it has been sent
-    previous = {
-        sig: signal.signal(sig, lambda signum, frame: received.append(signal.Signals(signum)))
-        for sig in FORWARDED
-    }
-    try:
-        agent = subprocess.Popen(
-            list(argv), env=env, preexec_fn=_start_agent, start_new_session=True
-        )
-        while True:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                return agent.wait(timeout=poll_seconds)
-            if received:
-                for pid in ranks_of(agent.pid):
-                    for sig in received[delivered.get(pid, 0) :]:
+
+    def __init__(
+        self,
+        targets: Callable[[int], list[int]] = ranks_of,
+        *,
+        interrupting: bool = False,
+        poll_seconds: float = 0.2,
+    ) -> None:
+        self.targets = targets
+        self.interrupting = interrupting
+        self.poll_seconds = poll_seconds
+        self.received: list[signal.Signals] = []
+        self._running = False
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> SignalForwarder:
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.append(signal.Signals(signum))
+        if self.interrupting and not self._running:
+            raise KeyboardInterrupt
+
+    def run(self, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
+        """Run `argv` as this process's only child, forwarding signals, until it exits; its
+        exit code (see the module doc)."""
+        if self.interrupting and self.received:
+            raise KeyboardInterrupt
+        delivered: dict[int, int] = {}  # target pid -> how many of `received` it has been sent
+        self._running = True
+        try:
+            child = subprocess.Popen(
+                list(argv), env=env, preexec_fn=_start_agent, start_new_session=True
+            )
+            while True:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = child.wait(timeout=self.poll_seconds)
+                    break
+                for pid in self.targets(child.pid) if self.received else ():
+                    for sig in self.received[delivered.get(pid, 0) :]:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, FORWARDED[sig])
-                    delivered[pid] = len(received)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+                    delivered[pid] = len(self.received)
+        finally:
+            self._running = False
+        if self.interrupting and self.received:
+            raise KeyboardInterrupt
+        return code
+
+
+def supervise(argv: Sequence[str], env: dict[str, str], *, poll_seconds: float = 0.2) -> int:
+    """Run torchrun (`argv`) as this process's only child, passing every signal this process
+    gets on to the ranks, until the agent exits; its exit code (see the module doc)."""
+    with SignalForwarder(ranks_of, poll_seconds=poll_seconds) as forwarder:
+        return forwarder.run(argv, env)

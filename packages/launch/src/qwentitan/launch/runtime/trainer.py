@@ -1,40 +1,14 @@
 """torchtitan's Trainer, made to run on the platform it finds (CPU included): the thin glue.
 
-What happens each training step is torchtitan's `Trainer.train()` loop, unchanged:
-
-    step += 1
-    train_step(batches)        # forward, backward, clip grad norm, optimizer.step, lr.step, log
-    checkpointer.save(step)    # DCP, every `checkpoint.interval` steps and at the last one
-    validator.validate(step)   # loss on the held-out slice, every `validator.freq` steps
-    should_continue_training() # <- the step boundary: `at_step_boundary()` below
-
-This module adds only what torchtitan 0.3.0 lacks, one place each:
-
-- `Trainer.Config.target` / `.lnc`: the machine kind the run trains on, a config field like any
-  other (the launcher writes `--target trn2.48xlarge --lnc 2` on every rank's line). The config
-  follows from it when it is built (`Config.__post_init__`): the model is built through the
-  recipe's `model_for(target)` (the attention that trains there), and CUDA graphs are on
-  exactly where they exist (CUDA). The Trainer takes its device, backend and MFU peak from the same Target.
-
-- `use_platform()`: point torchtitan at the platform's device module. With no accelerator
-  torchtitan falls back to "cuda" (`tools/utils.py: get_device_info`), and several of its modules
-  copied that choice at import time.
-- `force_sum_reduction()`: FSDP2 reduce-scatters with PREMUL_SUM, which gloo does not have.
-- `Trainer.at_step_boundary()`: where a run stops early with a checkpoint (`stop_after`, and
-  the signals the launcher forwards: SIGTERM, SIGUSR1, SIGINT), so `--resume` continues exactly.
-- `checked_loads()`: torchtitan's DCP load runs only after qwentitan.checkpoint's
-  `SafeFileSystemReader` read the `.metadata` (an allow-list unpickler), so a pickle in it
-  never runs.
-- `guard_saves()`: a save that fails (disk full, folder gone read-only) removes its partial
-  `step-N` folder and ends the rank with one sentence, so no later `--resume` takes it for a
-  whole checkpoint. DCP writes `.metadata` last (through a temporary file), so a rank killed
-  mid-save already leaves a folder that torchtitan and `--resume` skip.
-- `console.quiet_console()` (on import): torchtitan's and torch's lines a user cannot act on
-  are dropped; the MFU peak is said once, by the Trainer.
-- `Trainer.train_step()`: the first step of a process is timed apart (on Neuron it compiles for
-  minutes) and, on Neuron, followed by the list of ops TorchNeuron ran on the CPU; both go to
-  RUN_DIR/reports/first_step.json (what `preflight --compile-smoke` reads), the CPU fallbacks
-  also to the console and the MLflow run's tags.
+Each training step is torchtitan's `Trainer.train()` loop, unchanged; this module adds only what
+torchtitan 0.3.0 lacks, one place each: the machine kind and kernel choices as config fields
+(`Trainer.Config.target` / `.lnc` / `.kernels`, from which the config builds its model), the
+platform's device module (`use_platform`), SUM reductions for gloo (`force_sum_reduction`), the
+step boundary where a run stops early with a checkpoint (`Trainer.at_step_boundary`), loads
+only of a checked `.metadata` (`checked_loads`), saves that fail in one sentence and leave no
+partial step (`guard_saves`), and the first step timed apart with, on Neuron, the ops
+TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json). Importing
+it quiets the console lines a user cannot act on (`console.quiet_console`).
 """
 
 from __future__ import annotations
@@ -44,7 +18,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,6 +30,8 @@ from torchtitan import trainer as torchtitan_trainer
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
+from qwentitan.kernels import KernelChoices
+from qwentitan.kernels.env import kernel_choices_text
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.target import Target, get_target
 from qwentitan.launch.runtime.console import quiet_console
@@ -63,7 +39,7 @@ from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
 from qwentitan.launch.runtime.platforms import Platform, get_platform, host_target
 from qwentitan.launch.runtime.preemption import PreemptionWatch
 from qwentitan.launch.runtime.whole_init import whole_init
-from qwentitan.launch.tracking.reports import FIRST_STEP, attach_report
+from qwentitan.launch.tracking.logger import FIRST_STEP, attach_report
 
 __all__ = [
     "Trainer",
@@ -75,6 +51,9 @@ __all__ = [
 
 # Before torchtitan builds a rank's config and Trainer (the recipe module imports this one).
 quiet_console()
+
+# A recipe's model for a Target and kernel choices (`Trainer.Config.model_for`).
+ModelFor = Callable[[Target, KernelChoices], ModelSpec]
 
 # Exit code of a rank whose checkpoint could not be written: a fault of the environment.
 SAVE_FAILED_EXIT = 2
@@ -197,18 +176,30 @@ class Trainer(torchtitan_trainer.Trainer):
         lnc: int | None = None
         """Logical NeuronCore size on Trainium (None: `NEURON_LOGICAL_NC_CONFIG`, else the
         Target's default)."""
+        kernels: str = field(default_factory=kernel_choices_text)
+        """Which implementation each custom kernel of the moe-kernels path runs, as
+        comma-separated kernel=choice pairs (`experts=reference`; `qwentitan.kernels.
+        KernelChoices`); default `$QWENTITAN_KERNELS`, else NKI RoPE and experts."""
         stop_after: int | None = None
         """Stop after this step with a full checkpoint, before `training.steps` (a planned
         interruption: a later run with the same folder resumes from it)."""
-        model_for: Annotated[Callable[[Target], ModelSpec] | None, tyro.conf.Suppress] = None
-        """How the recipe builds its model for a Target (set by the recipe, like `model_spec`)."""
+        model_for: Annotated[ModelFor | None, tyro.conf.Suppress] = None
+        """How the recipe builds its model for a Target and kernel choices (set by the recipe,
+        like `model_spec`)."""
+        placed_for: Annotated[tuple[str, str] | None, tyro.conf.Suppress] = None
+        """The (target, kernels) `model_spec` was built for."""
 
         def __post_init__(self) -> None:
-            # Runs again when torchtitan's parser applies the command line, so `--target` reaches
-            # the model and the CUDA-graph switch in the one config the ranks and the plan build.
+            # Runs again each time torchtitan's parser applies the command line (its fields
+            # arrive as the recipe's config had them), so `--target` reaches the model and the
+            # CUDA-graph switch in the one config the ranks and the plan build. The model is
+            # built once per placement: only a changed target or kernel choice rebuilds it.
             target = self.placed_target()
-            if self.model_for is not None:
-                self.model_spec = self.model_for(target)
+            placement = (target.name, self.kernels)
+            if self.model_for is not None and placement != self.placed_for:
+                choices = KernelChoices.parse(self.kernels, source="kernels")
+                self.model_spec = self.model_for(target, choices)
+                self.placed_for = placement
             # CUDA graphs exist on CUDA only; torchtitan validates them (and refuses EP) else.
             # Set both ways: the recipe's own build (for this host) must not decide for --target.
             self.training.disable_cuda_graphs = target.device_type != "cuda"
@@ -227,6 +218,7 @@ class Trainer(torchtitan_trainer.Trainer):
         def to_dict(self) -> dict[str, Any]:
             config = torchtitan_trainer.Trainer.Config.to_dict(self)
             config.pop("model_for", None)  # a function: the model itself is under model_spec
+            config.pop("placed_for", None)
             return config
 
     config: Config

@@ -1,19 +1,27 @@
 """`MLflowLogger`: torchtitan's `BaseLogger` interface, backed by a spool and a background writer.
 
-`log(metrics, step)` renames torchtitan's keys (`names.py`), appends one spool line and hands
-the record to the writer thread; it does no network or database work, so a slow or absent
-tracking server never slows a training step. `close()` adds the summary, attaches the reports
-and waits a bounded time for MLflow to confirm.
+`log(metrics, step)` renames torchtitan's keys (`summary.metric_name`), appends one spool line
+and hands the record to the writer thread; it does no network or database work, so a slow or
+absent tracking server never slows a training step. `close()` adds the summary, attaches the
+reports and waits a bounded time for MLflow to confirm. The run's tags say what it ran on and
+with (package versions, git commit, instance type and price), all read locally so building them
+cannot slow a training start. Other steps (preflight, the plan, checkpoint verification, the
+first step) store reports in RUN_DIR/reports with `attach_report`: a run logging in this process
+uploads them at once, a run starting later at its end, and `sync-mlflow` whatever came after.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
+import re
+import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,25 +32,21 @@ from torchtitan.config import Configurable
 from qwentitan.checkpoint.files import atomic_file
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.tracking import context, cost
-from qwentitan.launch.tracking.names import flatten_config
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
-from qwentitan.launch.tracking.store import REQUEST_TIMEOUT_S, now_ms
-from qwentitan.launch.tracking.summary import RunSummary, step_values
+from qwentitan.launch.tracking.store import (
+    REPORTS_FOLDER,
+    REQUEST_TIMEOUT_S,
+    now_ms,
+    resolve_tracking_uri,
+)
+from qwentitan.launch.tracking.summary import RunSummary, flatten_config, hourly_price, step_values
 from qwentitan.launch.tracking.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
 
-REPORTS_FOLDER = "reports"
-
 # Loggers open in this process, so `attach_report` can reach a live run.
 _ACTIVE: list[MLflowLogger] = []
 _ACTIVE_LOCK = threading.Lock()
-
-
-def resolve_tracking_uri(configured: str | None = None) -> str:
-    """The given URI, else the default: `$MLFLOW_TRACKING_URI`, else `<cwd>/mlflow.db`."""
-    return configured or env_defaults.tracking_uri()
 
 
 def experiment_name(recipe: str) -> str:
@@ -130,22 +134,7 @@ class MLflowLogger(BaseLogger, Configurable):
         self._closed = False
         self._attached: set[Path] = set()
         self._last_step = 0
-        all_tags = {
-            "recipe": config.recipe or "unknown",
-            "path": config.path or "unknown",
-            "instance_type": context.instance_type(config.instance_type),
-            "world_size": str(world_size),
-            "git_commit": context.git_commit(),
-            **context.package_versions(),
-            **(tags or {}),
-        }
-        all_tags["mlflow.source.git.commit"] = all_tags["git_commit"]
-        price = cost.hourly_price(all_tags["instance_type"], config.price_per_hour)
-        self.usd_per_hour = price[0] if price else None
-        if price:
-            all_tags["cost.usd_per_hour"] = f"{price[0]:g}"
-            all_tags["cost.price_source"] = price[1]
-
+        all_tags = self._run_tags(tags or {})
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.spool = SpoolWriter(self.run_dir / SPOOL_FOLDER / f"{stamp}-{self.run_key[:8]}.jsonl")
         self.spool.write(
@@ -167,15 +156,40 @@ class MLflowLogger(BaseLogger, Configurable):
         self._emit("params", params=flatten_config(config_dict or {}))
         self._emit("tags", tags=all_tags)
         if config_dict is not None:
-            resolved = self.spool.path.with_suffix("") / "resolved_config.json"
-            try:
-                write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
-                self.attach(resolved, "config")
-            except OSError:
-                pass  # a spool folder without room: its warning is said by the spool
+            self._keep_config(config_dict)
         self.writer.start()
         with _ACTIVE_LOCK:
             _ACTIVE.append(self)
+
+    def _run_tags(self, tags: dict[str, str]) -> dict[str, str]:
+        """What the run ran on and with, the caller's `tags` on top, and its price (which also
+        sets `usd_per_hour`)."""
+        config = self.config
+        all_tags = {
+            "recipe": config.recipe or "unknown",
+            "path": config.path or "unknown",
+            "instance_type": instance_type(config.instance_type),
+            "world_size": str(self.world_size),
+            "git_commit": git_commit(),
+            **package_versions(),
+            **tags,
+        }
+        all_tags["mlflow.source.git.commit"] = all_tags["git_commit"]
+        price = hourly_price(all_tags["instance_type"], config.price_per_hour)
+        self.usd_per_hour = price[0] if price else None
+        if price:
+            all_tags["cost.usd_per_hour"] = f"{price[0]:g}"
+            all_tags["cost.price_source"] = price[1]
+        return all_tags
+
+    def _keep_config(self, config_dict: dict[str, Any]) -> None:
+        """The resolved config as a file beside the spool, attached to the run."""
+        resolved = self.spool.path.with_suffix("") / "resolved_config.json"
+        try:
+            write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
+            self.attach(resolved, "config")
+        except OSError:
+            pass  # a spool folder without room: its warning is said by the spool
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         values = step_values(metrics, self.world_size)
@@ -248,3 +262,107 @@ def write_text_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as temporary:
         temporary.write_text(text, encoding="utf-8")
+
+
+# Distributions whose versions decide whether two runs are comparable.
+VERSIONED = (
+    "torch",
+    "torch-neuronx",
+    "transformers",
+    "torchtitan",
+    "mlflow",
+    "qwentitan-kernels",
+    "qwentitan-modeling",
+    "qwentitan-checkpoint",
+    "qwentitan-launch",
+)
+
+# On EC2 Nitro hosts the DMI product name is the instance type (e.g. "trn2.48xlarge").
+_DMI_PRODUCT = Path("/sys/devices/virtual/dmi/id/product_name")
+_INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
+
+
+def package_versions() -> dict[str, str]:
+    """`{"version.torch": "2.14.1", "version.torch-neuronx": "absent", ...}`."""
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[f"version.{name}"] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[f"version.{name}"] = "absent"
+    return versions
+
+
+def git_commit(where: str | os.PathLike[str] | None = None) -> str:
+    """The commit of the working directory's checkout, else of the one holding this package
+    (with `+dirty` when tracked files differ), else "unknown"."""
+    if where is None:
+        found = git_commit(Path.cwd())
+        return found if found != "unknown" else git_commit(Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5
+        )
+        if commit.returncode != 0:
+            return "unknown"
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    dirty = "+dirty" if status.returncode == 0 and status.stdout.strip() else ""
+    return commit.stdout.strip() + dirty
+
+
+def instance_type(configured: str | None = None) -> str:
+    """The configured type (`MLflowLogger.Config.instance_type`), else the EC2 type from DMI,
+    else "local"."""
+    if configured:
+        return configured
+    try:
+        product = _DMI_PRODUCT.read_text().strip()
+    except OSError:
+        return "local"
+    return product if _INSTANCE_TYPE.match(product) else "local"
+
+
+def job_nodes(world_size: int) -> int:
+    """Hosts in the job: the world size over the ranks of this node (torchrun's
+    LOCAL_WORLD_SIZE; 1 host when run alone)."""
+    local = env_defaults.local_world_size() or world_size
+    return max(1, world_size // max(1, local))
+
+
+# The reports qwentitan itself writes, so the MLflow artifact tree reads the same for every run.
+FIRST_STEP = "first_step"  # the first step's time (compile included) and the CPU fallbacks
+SUMMARY = "summary"  # the figures that end `train` on the console (processor.SummaryLogger)
+
+
+def attach_report(
+    run_dir: str | os.PathLike[str], name: str, report: Mapping[str, Any] | str | os.PathLike[str]
+) -> Path:
+    """Store `report` (a dict, saved as JSON, or an existing file, copied) as RUN_DIR/reports/<name>."""
+    if not name or "/" in name or name.startswith("."):
+        raise LaunchError(
+            f"Report name {name!r} must be a plain file name such as 'preflight'; drop the slashes."
+        )
+    folder = Path(run_dir) / REPORTS_FOLDER
+    if isinstance(report, Mapping):
+        target = folder / (name if name.endswith(".json") else f"{name}.json")
+        write_text_atomically(target, json.dumps(report, indent=2, default=str))
+    else:
+        source = Path(report)
+        if not source.is_file():
+            raise LaunchError(
+                f"Report file {source} does not exist; write it first or pass the report as a dict."
+            )
+        target = folder / (name + source.suffix if not Path(name).suffix else name)
+        write_text_atomically(target, source.read_text(encoding="utf-8"))
+    for logger in active_loggers():
+        if logger.run_dir == Path(run_dir).resolve():
+            logger.attach(target)
+    return target

@@ -10,8 +10,11 @@ platform's peak, with no MFU at all where no peak is known (CPU).
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -25,9 +28,17 @@ from torchtitan.components.metrics import (
 from torchtitan.distributed import ParallelDims
 
 from qwentitan.launch.base.target import NEURON_TARGET, get_target
-from qwentitan.launch.tracking import context
-from qwentitan.launch.tracking.logger import MLflowLogger, experiment_name
-from qwentitan.launch.tracking.summary_logger import SummaryLogger
+from qwentitan.launch.tracking.logger import (
+    SUMMARY,
+    MLflowLogger,
+    attach_report,
+    experiment_name,
+    job_nodes,
+)
+from qwentitan.launch.tracking.store import REPORTS_FOLDER
+from qwentitan.launch.tracking.summary import RunSummary, step_values
+
+log = logging.getLogger(__name__)
 
 _GIB = 1024**3
 
@@ -79,7 +90,7 @@ class TrackedMetrics(MetricsProcessor):
                 config_dict=config_dict,
                 tags=_run_tags(config, parallel_dims, config_dict or {}),
                 world_size=parallel_dims.world_size,
-                nodes=context.nodes(parallel_dims.world_size),
+                nodes=job_nodes(parallel_dims.world_size),
             )
             container.add_logger(self.mlflow)
         # Added last, so it closes after MLflow's logger and can report its run id.
@@ -144,3 +155,44 @@ def _run_tags(
     for degree in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
         tags[f"parallel.{degree}"] = str(getattr(parallel_dims, degree))
     return tags
+
+
+class SummaryLogger(BaseLogger):
+    def __init__(
+        self, run_dir: str | os.PathLike[str], world_size: int, mlflow: MLflowLogger | None
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.world_size = world_size
+        self.mlflow = mlflow
+        # With MLflow on, its logger already observes every step: one summary, read here.
+        self.summary = mlflow.summary if mlflow is not None else RunSummary()
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.mlflow is None:
+            self.summary.observe(step, step_values(metrics, self.world_size))
+
+    def close(self) -> None:
+        figures = {key.removeprefix("summary/"): v for key, v in self.summary.metrics().items()}
+        mlflow = None
+        if self.mlflow is not None:
+            mlflow = {"run_id": self.mlflow.writer.run_id, "tracking_uri": self.mlflow.tracking_uri}
+        report = {
+            "first_step": self.summary.first_step,
+            "last_step": self.summary.last_step,
+            "last_validation_step": self.summary.last_validation_step,
+            **figures,
+            "run_dir": str(self.run_dir),
+            "mlflow": mlflow,
+        }
+        try:
+            attach_report(self.run_dir, SUMMARY, report)
+        except OSError as error:
+            # At the very end (disk full, folder gone read-only): training and its checkpoint are
+            # done, so one line instead of a traceback; the launcher then prints no block.
+            log.warning(
+                "The run summary could not be written to %s (%s); the figures are in the log "
+                "above%s.",
+                self.run_dir / REPORTS_FOLDER,
+                error.strerror or error,
+                " and the MLflow run" if self.mlflow is not None else "",
+            )

@@ -1,20 +1,32 @@
 """The MLflow side of tracking: find-or-create a run by its key, log to it, replay a spool.
 
-Used by the background writer during training and by `sync-mlflow` afterwards. A run is
-found by its `qwentitan.run_key` tag, never by name, so replaying a spool twice (or after a
-live session that got half-way) adds each metric point, parameter and artifact at most once.
+Used by the background writer during training and by `sync-mlflow` afterwards
+(`sync_run_dir`). A run is found by its `qwentitan.run_key` tag, never by name, so replaying a
+spool twice (or after a live session that got half-way) adds each metric point, parameter and
+artifact at most once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import re
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, load_spool
+
+# The folder of a run's reports (RUN_DIR/reports), attached to its MLflow run.
+REPORTS_FOLDER = "reports"
 
 RUN_KEY_TAG = "qwentitan.run_key"
 PARENT_TAG = "mlflow.parentRunId"
@@ -35,6 +47,11 @@ Point = tuple[str, float, int, int]  # key, value, time in ms, step
 # MLflow's own HTTP defaults (120 s per request, 7 retries, backoff factor 2) keep an unreachable
 # server busy for about four minutes per call; training and sync-mlflow both give up sooner.
 REQUEST_TIMEOUT_S = 10
+
+
+def resolve_tracking_uri(configured: str | None = None) -> str:
+    """The given URI, else the default: `$MLFLOW_TRACKING_URI`, else `<cwd>/mlflow.db`."""
+    return configured or env_defaults.tracking_uri()
 
 
 def bounded_http(timeout_s: int = REQUEST_TIMEOUT_S) -> dict[str, str]:
@@ -224,3 +241,94 @@ def _resolve(base: Path, file: str) -> Path | None:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+# A run whose spool has no `end` record stopped without saying how (killed, crashed, or still
+# training); sync-mlflow ends it as FAILED rather than leave it RUNNING for ever.
+UNFINISHED_STATUS = "FAILED"
+
+
+def sync_run_dir(
+    run_dir: str | os.PathLike[str], tracking_uri: str | None = None
+) -> list[Replayed]:
+    """Replay every spool under `run_dir` (or the one spool file given); idempotent.
+
+    The store is `tracking_uri`, else `$MLFLOW_TRACKING_URI`, else the one the run was logging
+    to. Reports that appeared in RUN_DIR/reports after a run ended go to the newest run. Damaged
+    spool lines are skipped and listed in each result's `damaged_lines`. MLflow gets the bounded
+    HTTP waits training uses; a store that does not answer is a LaunchError.
+    """
+    from mlflow.exceptions import MlflowException
+    from requests import RequestException
+
+    spools = find_spools(Path(run_dir))
+    results = []
+    targets: dict[str, MlflowTarget] = {}
+    for number, spool in enumerate(spools):
+        loaded = load_spool(spool)
+        records = loaded.records
+        base = spool.parent.parent if spool.parent.name == SPOOL_FOLDER else spool.parent
+        uri = resolve_tracking_uri(
+            tracking_uri or env_defaults.configured_tracking_uri() or records[0].get("tracking_uri")
+        )
+        if number == len(spools) - 1:
+            records = records + _late_reports(records, base)
+        try:
+            with bounded_http_waits(), _one_writer(uri):
+                if uri not in targets:
+                    targets[uri] = MlflowTarget(uri)
+                done = replay(targets[uri], records, base, unfinished=UNFINISHED_STATUS)
+        except (MlflowException, RequestException) as error:
+            raise LaunchError(
+                f"MLflow at {uri} cannot be used ({_reason(error)}; each request waits at most "
+                f"{REQUEST_TIMEOUT_S} s, retried twice); start the tracking server or pass "
+                "--tracking-uri, then run sync-mlflow again (the spool is kept)."
+            ) from None
+        results.append(dataclasses.replace(done, damaged_lines=loaded.damaged_lines))
+    return results
+
+
+@contextlib.contextmanager
+def _one_writer(uri: str) -> Iterator[None]:
+    """Hold a lock per local store (sqlite or a folder) while replaying into it: two sync-mlflow
+    at once into a new sqlite store would both create its tables and one would fail. The lock
+    file is in the temporary folder, so nothing is added beside the user's store."""
+    if "://" in uri and not uri.startswith(("sqlite:", "file:")):
+        yield  # a tracking server orders its own writes
+        return
+    name = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"qwentitan-mlflow-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _reason(error: Exception) -> str:
+    """A few words for what went wrong (MLflow's own text runs to several lines)."""
+    text = str(error)
+    if code := re.search(r"error code (\d+)", text):
+        return f"it answered HTTP {code.group(1)}"
+    for words, reason in (
+        ("Connection refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("Name or service not known", "unknown host"),
+        ("Max retries exceeded", "no connection"),
+    ):
+        if words in text:
+            return reason
+    return text.splitlines()[0][:120] if text else type(error).__name__
+
+
+def _late_reports(records: list[dict], base: Path) -> list[dict]:
+    known = {record["file"] for record in records if record["kind"] == "artifact"}
+    late = []
+    seq = records[-1]["seq"]
+    for report in sorted((base / REPORTS_FOLDER).glob("*")):
+        relative = os.path.relpath(report, base)
+        if report.is_file() and relative not in known:
+            late.append(
+                {"kind": "artifact", "seq": seq, "file": relative, "artifact_path": REPORTS_FOLDER}
+            )
+    return late

@@ -1,22 +1,91 @@
-"""Warm-up apart from sustained: the few numbers a user compares first across runs.
+"""A run's numbers: MLflow names for torchtitan's metrics, warm-up apart from sustained, cost.
 
-The first step a process runs includes compilation (and, on CPU, allocator warm-up), so it is
-reported on its own; throughput is the median of the steps after it, which a slow checkpoint
-or validation step cannot drag. The same figures end every `train` on the console
+torchtitan names its metrics for the console (`throughput(tps)`, `mfu(%)`); MLflow refuses
+parentheses and percent signs in keys, and a user comparing runs wants short, stable names, so
+every path (hf, native, moe-kernels) goes through one table (`RENAMES`). The first step a
+process runs includes compilation (and, on CPU, allocator warm-up), so it is reported on its
+own; throughput is the median of the steps after it, which a slow checkpoint or validation step
+cannot drag. Cost per million tokens uses the Targets' dated on-demand prices (`base.target`;
+`MLflowLogger.Config.price_per_hour` overrides them); an instance without a price gets no cost
+metric rather than a made-up one. The same figures end every `train` on the console
 (`format_summary`), read from RUN_DIR/reports/summary.json, which the metrics rank writes.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qwentitan.launch.tracking.cost import cost_per_million_tokens
-from qwentitan.launch.tracking.names import metric_name
+from qwentitan.launch.base.target import PRICE_AS_OF, PRICE_SOURCE, TARGETS
+
+# torchtitan 0.3.0 key (components/metrics.py, trainer.py) -> MLflow key.
+RENAMES: dict[str, str] = {
+    "loss_metrics/global_avg_loss": "loss",
+    "loss_metrics/global_max_loss": "loss_max",
+    "grad_norm": "grad_norm",
+    "throughput(tps)": "tokens_per_second_per_device",
+    "tflops": "tflops_per_device",
+    "mfu(%)": "mfu_percent",
+    "time_metrics/end_to_end(s)": "step_time_s",
+    "time_metrics/data_loading(s)": "data_loading_s",
+    "time_metrics/data_loading(%)": "data_loading_percent",
+    "n_tokens_seen": "tokens_seen",
+    "validation_metrics/loss": "validation/loss",
+    "validation_metrics/throughput(tps)": "validation/tokens_per_second_per_device",
+}
+
+_UNITS = (("(%)", "_percent"), ("(s)", "_s"), ("(GiB)", "_gib"), ("(tps)", "_tokens_per_second"))
+_NOT_ALLOWED = re.compile(r"[^/\w.\- ]")
+
+# Longest value MLflow stores for a parameter (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
+PARAM_VALUE_LIMIT = 6000
+
+
+def metric_name(torchtitan_key: str) -> str:
+    """The MLflow key for a torchtitan metric key: the table above, else a mechanical rewrite."""
+    if torchtitan_key in RENAMES:
+        return RENAMES[torchtitan_key]
+    name = torchtitan_key.replace("validation_metrics/", "validation/")
+    for unit, suffix in _UNITS:
+        name = name.replace(unit, suffix)
+    return _NOT_ALLOWED.sub("_", name)
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """`{"training": {"steps": 10}}` -> `{"training.steps": "10"}`, values cut to MLflow's limit."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_config(value, name))
+        else:
+            flat[_NOT_ALLOWED.sub("_", name)] = str(value)[:PARAM_VALUE_LIMIT]
+    return flat
+
+
+def hourly_price(instance_type: str, configured: float | None = None) -> tuple[float, str] | None:
+    """(USD per instance-hour, where the figure came from), or None when nothing is known."""
+    if configured is not None:
+        return configured, "config"  # MLflowLogger.Config checked it is positive
+    target = TARGETS.get(instance_type)
+    if target is None or target.price_per_hour is None:
+        return None
+    return target.price_per_hour, f"catalogue {PRICE_AS_OF} ({PRICE_SOURCE})"
+
+
+def cost_per_million_tokens(
+    usd_per_hour: float, tokens_per_second: float, instances: int = 1
+) -> float | None:
+    """USD per 10^6 tokens at a whole-job throughput, paying for `instances` hosts."""
+    if tokens_per_second <= 0:
+        return None
+    return usd_per_hour * instances / (tokens_per_second * 3600.0) * 1e6
+
 
 _SUSTAINED = (
     "step_time_s",

@@ -5,23 +5,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from qwentitan.launch.launcher.flags import whole_number
 from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR
+from qwentitan.launch.launcher.plan_cli import LAYOUT, add_request_flags, request_from_args
 
 NAME = "pilot"
 HELP = (
     "Train each pair of implementation paths from one seeded checkpoint and compare their loss "
     "curves in MLflow; exit 1 when a pair differs by more than its limit."
 )
+# The request flags a pilot hands every child `train` (each child has its own recipe and folder).
+FIELDS = ("ranks_per_node", *LAYOUT, "seq_len", "local_batch_size", "steps", "run_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=whole_number(1), default=20)
-    parser.add_argument("--ranks", type=whole_number(1), default=2, help="ranks of every child")
-    parser.add_argument("--seq-len", type=whole_number(1), default=None)
-    parser.add_argument("--local-batch-size", type=whole_number(1), default=None)
+    add_request_flags(parser, FIELDS, defaults={"steps": 20, "ranks_per_node": 2})
     parser.add_argument("--seed", type=whole_number(0), default=0, help="of the checkpoints")
     parser.add_argument(
         "--lr", type=float, default=PILOT_LR, help=f"every child's (default {PILOT_LR:g})"
@@ -29,7 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pair", action="append", choices=list(PAIRS), help="train only this pair (repeatable)"
     )
-    parser.add_argument("--run-dir", type=Path, default=None)
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument(
         "--perturb",
@@ -41,17 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qwentitan.launch.launcher.pilot.run import run_pilot
+    from qwentitan.launch.launcher.pilot.run import pilot_request, run_pilot
 
     # MLflow's INFO lines (creating a new sqlite store's tables, migrating it) say nothing a
     # user acts on; its warnings and errors still show.
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    request = request_from_args(args, recipe=pilot_request().recipe)
     try:
         pilot = run_pilot(
-            args.steps, args.ranks, args.run_dir, args.tracking_uri,
-            pairs=args.pair or tuple(PAIRS), seq_len=args.seq_len,
-            local_batch_size=args.local_batch_size, seed=args.seed, lr=args.lr,
-            perturb=args.perturb,
+            request, args.tracking_uri, pairs=args.pair or tuple(PAIRS), seed=args.seed,
+            lr=args.lr, perturb=args.perturb,
         )  # fmt: skip
     except OSError as error:  # a full disk or a read-only folder, writing checkpoints or the plot
         where = f" ({error.filename})" if error.filename else ""

@@ -4,29 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from qwentitan.launch.launcher.plan_cli import (
-    add_plan_arguments,
-    add_resume_argument,
-    describe,
-    plan_from_args,
-)
+from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags, describe, plan_from_args
 
 NAME = "plan"
 HELP = (
     "Resolve a recipe on an instance (world size, LNC, parallel degrees, env, torchrun line, "
     "memory per rank) and print it; refuses plans that cannot run. `train` runs the same torchrun "
-    "line (with --dump-folder set to its run folder)."
+    "line (with --run-dir set to its run folder)."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_plan_arguments(parser)
-    add_resume_argument(parser)
+    add_request_flags(parser, SHARED, defaults={"resume": "auto"}, required=("recipe",))
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
+    if plan.note and args.json:
+        print(f"qwentitan-launch plan: note: {plan.note}", file=sys.stderr)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else describe(plan))
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from qwentitan.launch.base import env_defaults
-from qwentitan.launch.launcher.plan_cli import add_plan_arguments, plan_from_args
+from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags, plan_from_args
 
 NAME = "preflight"
 HELP = (
@@ -16,7 +16,7 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_plan_arguments(parser)
+    add_request_flags(parser, SHARED, defaults={"resume": "auto"}, required=("recipe",))
     parser.add_argument("--weights", help="HF model folder (default: the recipe's)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(

@@ -6,13 +6,12 @@ import argparse
 import re
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.flags import non_negative
-from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.plan_cli import (
-    add_plan_arguments,
-    add_resume_argument,
+    SHARED,
+    add_request_flags,
     describe,
     plan_from_args,
+    request_from_args,
 )
 
 NAME = "run"
@@ -25,23 +24,13 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_plan_arguments(parser, recipe_required=False)
-    add_resume_argument(parser)
+    add_request_flags(
+        parser, (*SHARED, "rdzv_endpoint", "max_restarts"), defaults={"resume": "auto"}
+    )
     parser.add_argument(
         "--plan",
         help="run exactly the plan in this file (written by `slurm`) instead of resolving one "
         "from --recipe and the flags",
-    )
-    parser.add_argument(
-        "--rdzv-endpoint",
-        help="HOST:PORT of the c10d rendezvous, on the first node (default localhost:0, one node)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=non_negative,
-        default=None,
-        help="torchrun restarts of the whole group after a rank fails; each resumes from the "
-        "last checkpoint (default 0, or the plan file's)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
 
@@ -66,45 +55,19 @@ def check_endpoint(endpoint: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.rdzv_endpoint is not None:
         check_endpoint(args.rdzv_endpoint)
-    plan = plan_from_args(
-        args,
-        rdzv_endpoint=args.rdzv_endpoint,
-        max_restarts=args.max_restarts,
-    )
+    plan = plan_from_args(args, rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     if plan.nodes > 1 and not args.rdzv_endpoint:
         raise LaunchError(
-            f"A {plan.nodes}-node run needs the rendezvous address; pass --rdzv-endpoint "
-            "HOST:PORT naming the first node."
+            f"A {plan.nodes}-node run needs the rendezvous address; pass {{rdzv_endpoint}} "
+            "HOST:PORT naming the first node.",
+            field="rdzv_endpoint",
         )
     print(describe(plan), flush=True)
     if args.dry_run:
         return 0
-    from qwentitan.launch.launcher.run_folder import check_checkpoints, check_free_disk
-    from qwentitan.launch.runtime.preemption import supervise
+    from qwentitan.launch.launcher.start import check_before_start, launch
 
-    check_host(plan)
-    check_checkpoints(plan, folder_flag="--dump-folder", resume_flag="--resume latest")
-    check_free_disk(plan, folder_flag="--dump-folder")
-    return supervise(plan.launch_argv(), plan.rank_env())
-
-
-def check_host(plan: LaunchPlan) -> None:
-    """Refuse to launch where the planned devices are not, after the plan has been printed."""
-    from qwentitan.launch.runtime.platforms import get_platform
-
-    device = plan.topology.device_type
-    if device == "cpu":
-        return
-    count = get_platform(device).max_ranks
-    if device == "neuron" and count == 0:
-        raise LaunchError(
-            f"This host has no Neuron devices (torch-neuronx is not loaded), so the "
-            f"{plan.topology.name} plan above cannot run here; launch it on a "
-            f"{plan.topology.name} or add --dry-run."
-        )
-    if count < plan.ranks_per_node:
-        unit = "Neuron cores" if device == "neuron" else "CUDA devices"
-        raise LaunchError(
-            f"This host shows {count} {unit} but the plan needs {plan.ranks_per_node} per node; "
-            f"check --lnc / NEURON_LOGICAL_NC_CONFIG or pass --ranks-per-node {count}."
-        )
+    # a plan file's inputs were checked where it was written; its run folder is named in it
+    request = request_from_args(args, recipe=plan.recipe)
+    check_before_start(plan, request, folder_given=True)
+    return launch(plan)

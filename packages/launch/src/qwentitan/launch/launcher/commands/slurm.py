@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, non_negative, port, whole_number
-from qwentitan.launch.launcher.plan_cli import add_plan_arguments, plan_from_args
+from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, port, whole_number
+from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags, plan_from_args
 from qwentitan.launch.launcher.slurm import DEFAULT_PORT, SlurmOptions, write_sbatch
 
 NAME = "slurm"
@@ -18,16 +18,18 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_plan_arguments(parser)
+    add_request_flags(
+        parser,
+        (*SHARED, "max_restarts"),
+        defaults={"resume": "auto", "max_restarts": 3},
+        required=("recipe",),
+    )
     parser.add_argument(
         "--output", "-o", default=None, help="script path (default <recipe>.sbatch)"
     )
     parser.add_argument("--partition", help="SLURM partition")
     parser.add_argument("--time", help="SLURM time limit, e.g. 04:00:00")
     parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="rendezvous port")
-    parser.add_argument(
-        "--max-restarts", type=non_negative, default=3, help="torchrun restarts per node"
-    )
     parser.add_argument(
         "--grace-seconds",
         type=whole_number(0, MAX_SIGNAL_SECONDS),
@@ -37,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_from_args(args, max_restarts=args.max_restarts)
+    plan = plan_from_args(args)
     options = SlurmOptions(
         partition=args.partition,
         time=args.time,

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     import mlflow  # noqa: F401  (importing it configures its loggers, so the level is set after)
 
-    from qwentitan.launch.tracking.replay import sync_run_dir
+    from qwentitan.launch.tracking.store import sync_run_dir
 
     # MLflow's INFO lines (creating a new sqlite store's tables) say nothing a user acts on and
     # would come before this command's own lines; its warnings and errors still show.

@@ -18,6 +18,7 @@ _LAZY = {
     "child_overrides": _RUN,
     "compare_url": _RUN,
     "loss_url": _RUN,
+    "pilot_request": _RUN,
     "run_pilot": _RUN,
     "runs_url": _RUN,
     "start_overrides": _RUN,

@@ -12,12 +12,8 @@ is the URL that opens the children side by side in the MLflow UI (`uv run nox -s
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -28,9 +24,12 @@ from pathlib import Path
 
 from qwentitan.checkpoint.files import atomic_folder
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR, PairResult, compare
+from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR, Pair, PairResult, compare
 from qwentitan.launch.launcher.pilot.plot import plot_losses
-from qwentitan.launch.recipes import recipe_info
+from qwentitan.launch.launcher.plan import resolve_plan
+from qwentitan.launch.launcher.plan_cli import LAYOUT, request_argv
+from qwentitan.launch.launcher.request import RunRequest
+from qwentitan.launch.runtime.preemption import SignalForwarder
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
 from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
 
@@ -65,107 +64,179 @@ class Pilot:
         return not self.failed and all(result.passed for result in self.pairs)
 
 
+# What each child `train` is handed of the pilot's request (its recipe and run folder are its own).
+CHILD_FIELDS = (
+    "recipe",
+    "ranks_per_node",
+    *LAYOUT,
+    "seq_len",
+    "local_batch_size",
+    "steps",
+    "run_dir",
+)
+
+
+def pilot_request(**fields: object) -> RunRequest:
+    """The children's common request: 20 steps on 2 ranks unless `fields` say otherwise."""
+    first = next(iter(PAIRS.values())).recipes[0]
+    return RunRequest(**{"recipe": first, "steps": 20, "ranks_per_node": 2, **fields})
+
+
 def run_pilot(
-    steps: int = 20,
-    ranks: int = 2,
-    run_dir: str | os.PathLike[str] | None = None,
+    request: RunRequest | None = None,
     tracking_uri: str | None = None,
     experiment: str = PILOT_EXPERIMENT,
     *,
     pairs: Sequence[str] = tuple(PAIRS),
-    seq_len: int | None = None,
-    local_batch_size: int | None = None,
     seed: int = 0,
     lr: float = PILOT_LR,
     perturb: str | None = None,
 ) -> Pilot:
-    """Train the `pairs` (names in PAIRS) as children of one new parent run; see the module."""
+    """Train the `pairs` (names in PAIRS) as children of one new parent run, each child
+    `request` with its own recipe and run folder; see the module."""
+    request = request or pilot_request()
+    chosen = _chosen(pairs, perturb)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = Path(request.run_dir or Path("outputs") / "pilot" / stamp)
+    children = {
+        child: request.replace(recipe=recipe, run_dir=str(folder / child))
+        for pair in chosen
+        for child, recipe in zip(pair.children, pair.recipes, strict=True)
+    }
+    for child in children.values():
+        resolve_plan(child)  # every child's plan is checked before anything is written
+    uri = resolve_tracking_uri(tracking_uri)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = MlflowTarget(uri)
+    parent = _open_parent(target, experiment, stamp, request, chosen, seed, lr, perturb)
+    try:
+        failed = _train_children(
+            children, chosen, folder, parent, uri, experiment, seed, lr, perturb
+        )
+        runs = _child_runs(target, parent, children, failed)
+        losses = {child: _losses(target, runs[child]) for child in children if child in runs}
+        results = [compare(pair, losses, request.steps or 0) for pair in chosen]
+        plot = plot_losses(losses, results, folder / PLOT)
+        _log_results(target, parent, results, plot)
+    except BaseException as error:  # Ctrl-C (the child saved and stopped), a full disk
+        target.end(parent, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", now_ms())
+        raise
+    passed = not failed and all(r.passed for r in results)
+    target.log(parent, tags={"pilot.failed": ",".join(failed) or "none",
+                             "pilot.result": "passed" if passed else "failed"})  # fmt: skip
+    target.end(parent, "FINISHED" if passed else "FAILED", now_ms())
+    return _report(target, uri, parent, runs, failed, results, plot, list(children))
+
+
+def _chosen(pairs: Sequence[str], perturb: str | None) -> list[Pair]:
     chosen = [PAIRS[name] for name in pairs if name in PAIRS]
     if len(chosen) != len(pairs) or not chosen:
         raise LaunchError(f"Unknown pair in {list(pairs)}; choose among {', '.join(PAIRS)}.")
     children = [child for pair in chosen for child in pair.children]
     if perturb is not None and perturb not in children:
         raise LaunchError(f"--perturb {perturb!r} is none of this pilot's children: {children}.")
-    for pair in chosen:
-        for recipe in pair.recipes:
-            recipe_info(recipe)  # a typo in PAIRS fails here, before anything trains
-    from qwentitan.launch.base.target import get_topology
-    from qwentitan.launch.runtime.platforms import host_target
+    return chosen
 
-    # the Target's rank check, before any checkpoint or MLflow run is written
-    get_topology(host_target(), ranks_per_node=ranks, ranks_flag="--ranks")
-    uri = resolve_tracking_uri(tracking_uri)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = Path(run_dir) if run_dir else Path("outputs") / "pilot" / stamp
-    folder.mkdir(parents=True, exist_ok=True)
-    target = MlflowTarget(uri)
+
+def _open_parent(
+    target: MlflowTarget,
+    experiment: str,
+    stamp: str,
+    request: RunRequest,
+    chosen: list[Pair],
+    seed: int,
+    lr: float,
+    perturb: str | None,
+) -> str:
+    """The parent run, with the pilot's parameters and the limit of each pair."""
     parent = target.open_run(
         {"run_key": uuid.uuid4().hex, "experiment": experiment, "run_name": f"pilot-{stamp}",
          "start_ms": now_ms()}
     )  # fmt: skip
-    experiment_id = target.client.get_run(parent).info.experiment_id
-    size = {"seq_len": seq_len, "local_batch_size": local_batch_size}
+    sizes = {"steps": request.steps, "ranks": request.ranks_per_node}
+    sizes |= {name: getattr(request, name) for name in ("seq_len", "local_batch_size", *LAYOUT)}
+    children = [child for pair in chosen for child in pair.children]
     target.log(
         parent,
-        params={"steps": str(steps), "ranks": str(ranks), "seed": str(seed), "lr": f"{lr:g}",
-                **{k: str(v) for k, v in size.items() if v is not None},
+        params={**{k: str(v) for k, v in sizes.items() if v is not None},
+                "seed": str(seed), "lr": f"{lr:g}",
                 **{f"limit.{p.name}": f"{p.limit:g}" for p in chosen}},
         tags={"pilot.children": ",".join(children), "pilot.perturbed": perturb or "none"},
     )  # fmt: skip
+    return parent
 
-    interrupts = _Interrupts().install()
-    try:
-        failed = []
+
+def _train_children(
+    children: dict[str, RunRequest],
+    chosen: list[Pair],
+    folder: Path,
+    parent: str,
+    uri: str,
+    experiment: str,
+    seed: int,
+    lr: float,
+    perturb: str | None,
+) -> list[str]:
+    """Train every child `train` in turn, each from its pair's checkpoint; the failed ones.
+    Signals reach the running child, and stop the pilot after it (KeyboardInterrupt)."""
+    failed = []
+    with SignalForwarder(lambda child_pid: [child_pid], interrupting=True) as forwarder:
         for pair in chosen:
             start = _start_checkpoint(folder / "start" / pair.flavor, pair.flavor, seed)
-            for child, recipe in zip(pair.children, pair.recipes, strict=True):
+            for child in pair.children:
                 weights = _perturbed(start) if child == perturb else start
+                overrides = [*start_overrides(weights), _LR, f"{lr:g}",
+                             *child_overrides(uri, experiment, parent, child)]  # fmt: skip
+                request = children[child]
+                request = request.replace(overrides=(*overrides, *request.overrides))
                 command = [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train",
-                           "--recipe", recipe, "--steps", str(steps), "--ranks", str(ranks),
-                           "--run-dir", str(folder / child), *_size_flags(seq_len, local_batch_size),
-                           "--", *start_overrides(weights), _LR, f"{lr:g}",
-                           *child_overrides(uri, experiment, parent, child)]  # fmt: skip
-                print(f"pilot: {child} ({recipe}) from {weights}", flush=True)
-                if interrupts.run(command) != 0:
+                           *request_argv(request, CHILD_FIELDS)]  # fmt: skip
+                print(f"pilot: {child} ({request.recipe}) from {weights}", flush=True)
+                if forwarder.run(command) != 0:
                     failed.append(child)
-        runs = {
-            run.info.run_name: run.info.run_id
-            for run in target.client.search_runs(
-                [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
-            )
-        }
-        if missing := [c for c in children if c not in failed and c not in runs]:
-            raise LaunchError(
-                f"The {', '.join(missing)} run(s) trained but logged no MLflow run under parent "
-                f"{parent}; the recipes' metrics must be "
-                "qwentitan.launch.tracking.tracked_metrics(...)."
-            )
-        losses = {child: _losses(target, runs[child]) for child in children if child in runs}
-        results = [compare(pair, losses, steps) for pair in chosen]
-        plot = plot_losses(losses, results, folder / PLOT)
-        _log_results(target, parent, results, plot)
-    except (
-        BaseException
-    ) as error:  # Ctrl-C (the running `train` has saved and stopped), a full disk
-        interrupts.uninstall()
-        target.end(parent, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", now_ms())
-        raise
-    interrupts.uninstall()
-    passed = not failed and all(r.passed for r in results)
-    target.log(parent, tags={"pilot.failed": ",".join(failed) or "none",
-                             "pilot.result": "passed" if passed else "failed"})  # fmt: skip
-    target.end(parent, "FINISHED" if passed else "FAILED", now_ms())
+    return failed
 
+
+def _child_runs(
+    target: MlflowTarget, parent: str, children: dict[str, RunRequest], failed: list[str]
+) -> dict[str, str]:
+    """Child name -> MLflow run id of every child logged under `parent`."""
+    experiment_id = target.client.get_run(parent).info.experiment_id
+    runs = {
+        run.info.run_name: run.info.run_id
+        for run in target.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'"
+        )
+    }
+    if missing := [c for c in children if c not in failed and c not in runs]:
+        raise LaunchError(
+            f"The {', '.join(missing)} run(s) trained but logged no MLflow run under parent "
+            f"{parent}; the recipes' metrics must be "
+            "qwentitan.launch.tracking.tracked_metrics(...)."
+        )
+    return runs
+
+
+def _report(
+    target: MlflowTarget,
+    uri: str,
+    parent: str,
+    runs: dict[str, str],
+    failed: list[str],
+    results: list[PairResult],
+    plot: Path,
+    children: list[str],
+) -> Pilot:
+    """Print the table, the verdicts and the UI pages; the Pilot they describe."""
+    experiment_id = target.client.get_run(parent).info.experiment_id
     _print_table(target, {child: runs[child] for child in children if child in runs})
     for result in results:
         print(f"pilot: {result.verdict()}")
     if failed:
         print(f"pilot: the {', '.join(failed)} run(s) failed to train (see their log above)")
     trained = [runs[c] for c in children if c in runs]
-    url, losses_page = (
-        compare_url(uri, experiment_id, trained),
-        loss_url(uri, experiment_id, trained),
-    )
+    url = compare_url(uri, experiment_id, trained)
+    losses_page = loss_url(uri, experiment_id, trained)
     print(f"pilot: parent run {parent} in {uri}; curves in {plot}")
     if not uri.startswith(("http://", "https://")):
         print("pilot: serve the UI with `uv run nox -s mlflow_ui`, then open")
@@ -251,69 +322,6 @@ def _ui(tracking_uri: str) -> str:
     return (tracking_uri if served else LOCAL_UI).rstrip("/")
 
 
-class _Interrupts:
-    """Ctrl-C (SIGINT) or SIGTERM to the pilot, to its pid or from a terminal to its process
-    group: passed on once to the running child `train`, which saves a checkpoint and stops;
-    then the pilot stops too (KeyboardInterrupt), so no later child starts. Installed on
-    purpose, also where the pilot started with SIGINT ignored (a background job, nox)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received = False
-        self.child: subprocess.Popen[bytes] | None = None
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> _Interrupts:
-        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
-        return self
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        self._previous = {}
-
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.received = True
-        child = self.child
-        if child is not None and child.poll() is None:
-            # The child runs in a session of its own, so this is the one signal it gets per
-            # signal the pilot got: the first saves and stops, a second stops it at once.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signum)
-            return
-        raise KeyboardInterrupt
-
-    def run(self, command: list[str]) -> int:
-        """Run one child to its end; KeyboardInterrupt after it if a signal came meanwhile."""
-        if self.received:
-            raise KeyboardInterrupt
-        self.child = subprocess.Popen(command, start_new_session=True)
-        try:
-            code = self.child.wait()
-        finally:
-            self.child = None
-        if self.received:
-            raise KeyboardInterrupt
-        return code
-
-
-def _train(command: list[str]) -> int:
-    """One child `train` under the pilot's signal handling (see `_Interrupts`)."""
-    interrupts = _Interrupts().install()
-    try:
-        return interrupts.run(command)
-    finally:
-        interrupts.uninstall()
-
-
-def _size_flags(seq_len: int | None, local_batch_size: int | None) -> list[str]:
-    flags = {"--seq-len": seq_len, "--local-batch-size": local_batch_size}
-    return [
-        item for flag, value in flags.items() if value is not None for item in (flag, str(value))
-    ]
-
-
 def _start_checkpoint(folder: Path, flavor: str, seed: int) -> Path:
     from safetensors import SafetensorError
 
@@ -330,7 +338,8 @@ def _start_checkpoint(folder: Path, flavor: str, seed: int) -> Path:
             reason = "no space left on the disk" if full else text.splitlines()[0][:120]
             raise LaunchError(
                 f"Could not write the seeded checkpoint {folder} ({reason}); free some space or "
-                "pass --run-dir on another disk."
+                "pass {run_dir} on another disk.",
+                field="run_dir",
             ) from None
     return folder
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from qwentitan.checkpoint.files import disk_room
 from qwentitan.launch.base import env_defaults, neuron_sdk
-from qwentitan.launch.base.env_defaults import COMPILER_FLAGS, LNC_ENV, VISIBLE_CORES
+from qwentitan.launch.base.env_defaults import COMPILER_FLAGS, LNC_ENV
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import GIB
 from qwentitan.launch.launcher.environment import check_shell, lnc_in_compiler_flags
@@ -31,7 +31,7 @@ TESTED = {
 }
 # Needed on Trainium only; torch-neuronx 2.14.3 is built against torch 2.14 (the documented
 # pairs, neuron_stack.py, check the rest of the Neuron SDK stack).
-TESTED_NEURON = {"torch-neuronx": neuron_sdk.STACK["torch-neuronx"]}
+TESTED_NEURON = {"torch-neuronx": neuron_sdk.TORCH_NEURONX + "."}
 
 
 def _installed(name: str) -> str | None:
@@ -141,7 +141,7 @@ def check_disk(plan: LaunchPlan) -> CheckResult:
         "pass" if room.enough else "fail",
         f"{room.free / GIB:.1f} GiB free at {room.folder}, checkpoints need about "
         f"{room.needed / GIB:.2f} GiB"
-        + ("" if room.enough else "; free space or point --dump-folder elsewhere"),
+        + ("" if room.enough else "; free space or point --run-dir elsewhere"),
         figures,
     )
 
@@ -174,10 +174,6 @@ def check_kernels(plan: LaunchPlan) -> CheckResult:
         f"{summary}: max |op - reference| {where} (tolerance {tolerance:g})",
         figures,
     )
-
-
-def env_summary() -> dict[str, str]:
-    return env_defaults.pick((LNC_ENV, COMPILER_FLAGS, VISIBLE_CORES))
 
 
 Runner = Callable[[list[str], dict[str, str]], int]

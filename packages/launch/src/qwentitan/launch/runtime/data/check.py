@@ -92,7 +92,8 @@ def read_documents(file: Path) -> Iterator[str]:
         reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
         raise LaunchError(
             f"Dataset file {file} cannot be read ({reason}); check the file or pass another "
-            "--dataset."
+            "{dataset}.",
+            field="dataset",
         ) from None
 
 

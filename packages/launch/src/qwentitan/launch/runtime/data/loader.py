@@ -70,7 +70,7 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def resolve_dataset(spec: str) -> DataSource:
-    """Turn `--dataset` into a source, refusing a local path that is missing or holds no JSON.
+    """Turn a dataset name into a source, refusing a local path that is missing or holds no JSON.
 
     The lines themselves are checked once by the launcher (`check_dataset`), not on every rank.
     """
@@ -83,14 +83,16 @@ def resolve_dataset(spec: str) -> DataSource:
             if not files:
                 raise LaunchError(
                     f"Dataset folder {path} holds no .jsonl or .json files; add c4-style JSON "
-                    'lines ({"text": ...} per line) or pass another --dataset.'
+                    'lines ({"text": ...} per line) or pass another {dataset}.',
+                    field="dataset",
                 )
         elif path.is_file():
             files = [path]
         else:
             raise LaunchError(
                 f"Dataset path {path} does not exist; pass an existing JSON-lines file or folder, "
-                f"a Hugging Face dataset name, or --dataset {OFFLINE}."
+                f"a Hugging Face dataset name, or {{dataset}} {OFFLINE}.",
+                field="dataset",
             )
         return DataSource(name=str(path), files=tuple(str(p.resolve()) for p in files))
     if spec in DATASETS:  # torchtitan's own names: c4, c4_test, c4_validation

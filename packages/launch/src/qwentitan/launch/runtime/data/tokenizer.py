@@ -155,7 +155,15 @@ def build_qwen_tokenizer(folder: Path) -> Path:
     for offset, (content, _) in enumerate(QWEN3_SPECIAL_TOKENS):
         assert tokenizer.token_to_id(content) == _FIRST_SPECIAL_ID + offset
 
-    config = {
+    with atomic_folder(folder) as tmp:
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(_config(), indent=2) + "\n")
+    return Path(folder)
+
+
+def _config() -> dict:
+    """`tokenizer_config.json`: Qwen3's settings and its special tokens, as transformers reads them."""
+    return {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -179,10 +187,6 @@ def build_qwen_tokenizer(folder: Path) -> Path:
         },
         "qwentitan": {"source": "qwen-tokenizer qwen.tiktoken", "padded_vocab": QWEN3_PADDED_VOCAB},
     }
-    with atomic_folder(folder) as tmp:
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return Path(folder)
 
 
 def qwen_tokenizer_folder(cache: Path | None = None) -> Path:
@@ -199,7 +203,8 @@ def check_tokenizer_folder(folder: str | Path) -> Path:
     if not (folder / "tokenizer.json").is_file():
         raise LaunchError(
             f"Tokenizer folder {folder} has no tokenizer.json; pass a Hugging Face model folder "
-            "(for example one saved by `save_pretrained`) or leave --tokenizer out for Qwen3's."
+            "(for example one saved by `save_pretrained`) or leave {tokenizer} out for Qwen3's.",
+            field="tokenizer",
         )
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
@@ -209,6 +214,7 @@ def check_tokenizer_folder(folder: str | Path) -> Path:
         reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
         raise LaunchError(
             f"Tokenizer folder {folder} cannot be loaded ({reason}); pass an undamaged Hugging "
-            "Face model folder or leave --tokenizer out for Qwen3's."
+            "Face model folder or leave {tokenizer} out for Qwen3's.",
+            field="tokenizer",
         ) from None
     return folder

@@ -1,0 +1,74 @@
+"""What `train` and `run` check on this host before they start a planned run, and the start.
+
+After the plan (the request's own checks) come the host's: its devices, the local data and
+tokenizer the request names, the checkpoints already in the run folder against the request's
+`resume`, and the free disk the planned checkpoints need. Each refusal is one sentence, before
+any rank starts. `launch` then runs the plan's torchrun line under the signal-forwarding
+supervisor (`runtime.preemption.supervise`).
+"""
+
+from __future__ import annotations
+
+from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher import run_folder
+from qwentitan.launch.launcher.plan import LaunchPlan
+from qwentitan.launch.launcher.request import RunRequest
+
+__all__ = ["check_before_start", "check_host", "check_inputs", "launch"]
+
+
+def check_host(plan: LaunchPlan) -> None:
+    """Refuse to launch where the planned devices are not, after the plan has been printed."""
+    from qwentitan.launch.runtime.platforms import get_platform
+
+    device = plan.topology.device_type
+    if device == "cpu":
+        return
+    count = get_platform(device).max_ranks
+    if device == "neuron" and count == 0:
+        raise LaunchError(
+            f"This host has no Neuron devices (torch-neuronx is not loaded), so the "
+            f"{plan.topology.name} plan above cannot run here; launch it on a "
+            f"{plan.topology.name}, or only print it (`plan`, or `run --dry-run`)."
+        )
+    if count < plan.ranks_per_node:
+        unit = "Neuron cores" if device == "neuron" else "CUDA devices"
+        raise LaunchError(
+            f"This host shows {count} {unit} but the plan needs {plan.ranks_per_node} per node; "
+            f"check {{lnc}} / NEURON_LOGICAL_NC_CONFIG or pass {{ranks_per_node}} {count}.",
+            field="ranks_per_node",
+        )
+
+
+def check_inputs(plan: LaunchPlan, request: RunRequest) -> None:
+    """The request's local tokenizer folder and dataset, as every rank will read them."""
+    from qwentitan.launch.runtime.data import (
+        OFFLINE,
+        check_dataset,
+        check_tokenizer_folder,
+        resolve_dataset,
+    )
+
+    if request.tokenizer is not None:
+        check_tokenizer_folder(request.tokenizer)
+    if request.dataset not in (None, OFFLINE):
+        check_dataset(
+            resolve_dataset(request.dataset),
+            holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
+            validating=bool(plan.config.validator.enable),
+        )
+
+
+def check_before_start(plan: LaunchPlan, request: RunRequest, *, folder_given: bool) -> None:
+    """Everything this host must hold for the plan: devices, inputs, checkpoints, disk."""
+    check_host(plan)
+    check_inputs(plan, request)
+    run_folder.check_checkpoints(plan, folder_given=folder_given)
+    run_folder.check_free_disk(plan)
+
+
+def launch(plan: LaunchPlan) -> int:
+    """This node's torchrun agent for the plan, every signal forwarded to its ranks."""
+    from qwentitan.launch.runtime import preemption
+
+    return preemption.supervise(plan.launch_argv(), plan.rank_env())
