@@ -226,3 +226,18 @@ def test_the_cpu_twin_has_the_same_mesh_shape():
     assert (plan.degrees.tensor_parallel, plan.degrees.data_parallel_shard) == (2, 2)
     assert plan.activation_checkpoint == "selective"
     assert plan.global_batch == 8  # pinned: the same windows on 2 or 4 ranks
+
+
+def test_torchtitans_pipeline_hint_is_dropped_since_the_console_shows_the_last_stage(caplog):
+    import logging
+
+    from qwentitan.launch.runtime.console import quiet_console
+
+    quiet_console()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger().warning(  # as torchtitan colours it
+            "\x1b[31mPipeline Parallel loss is not visible. Please add \x1b[33mrank 1\x1b[31m "
+            "to LOG_RANK environment variable in run_train.sh.\x1b[39m"
+        )
+        logging.getLogger().info("step:  1  loss: 11.95195")
+    assert [r.getMessage() for r in caplog.records] == ["step:  1  loss: 11.95195"]

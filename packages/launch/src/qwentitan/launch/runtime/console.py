@@ -9,6 +9,7 @@ in plain words by qwentitan (the MFU line of `trainer.Trainer`) or carries nothi
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 __all__ = ["NOISE", "quiet_console"]
@@ -42,9 +43,13 @@ _WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 )
 
 
+# torchtitan colours some of its lines (ANSI escapes), which the starts above leave out.
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        message = _COLOUR.sub("", record.getMessage())
         return not any(message.startswith(start) for start in NOISE)
 
 
