@@ -117,3 +117,17 @@ def test_a_complex_rope_is_refused():
 
     with pytest.raises(KernelError, match="CosSinRoPE"):
         _replace_rope(ComplexRoPE.Config(dim=16, max_seq_len=8))
+
+
+def test_grouped_experts_under_ep_count_the_experts_this_rank_holds():
+    """Under EP each rank holds a slice of the experts (its local shard of w1/w2/w3) and
+    torchtitan's dispatcher hands it one token count per local expert, while the Config still
+    says the global number of experts."""
+    whole = _experts(KernelGroupedExperts, block_size=8)  # 4 experts in all
+    rank_1 = _experts(KernelGroupedExperts, block_size=8)
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):  # EP 2, rank 1: experts 2 and 3
+        setattr(rank_1, name, torch.nn.Parameter(getattr(whole, name).detach()[2:].clone()))
+    x, counts = _routed_rows()
+    local_rows = x[int(counts[:2].sum()) :]
+    got = rank_1(local_rows, counts[2:])
+    torch.testing.assert_close(got, whole(x, counts)[int(counts[:2].sum()) :])

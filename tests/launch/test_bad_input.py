@@ -322,13 +322,14 @@ def test_a_rendezvous_endpoint_torchrun_cannot_take_is_one_sentence(capsys, in_t
     assert os.listdir(in_tmp) == []
 
 
-def test_resuming_with_another_count_of_data_parallel_ranks_is_one_sentence(capsys, in_tmp):
+def test_a_checkpoint_with_per_rank_data_positions_is_one_sentence(capsys, in_tmp):
     saved_by_two = {**SMALL, "dataloader": {"dp_rank_0": 0, "dp_rank_1": 1}}
     step = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-2", saved_by_two)
-    argv = ["train", "--resume", "--ranks", "1", "--run-dir", str(in_tmp / "run"), "--steps", "5"]
+    argv = ["train", "--resume", "--ranks", "2", "--run-dir", str(in_tmp / "run"), "--steps", "5"]
     assert refusal(capsys, argv) == (
-        f"{step} was saved by 2 data-parallel ranks but this run has 1; resume it with 2 "
-        "data-parallel ranks (e.g. --ranks 2), or pass another --run-dir to start fresh."
+        f"{step} holds one data position per data-parallel rank (2), as qwentitan saved them "
+        "before it kept one for all ranks, and this loader cannot read them; pass another "
+        "--run-dir to start fresh."
     )
 
 

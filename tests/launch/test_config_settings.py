@@ -98,7 +98,12 @@ def test_trn2_model_folder_from_the_environment_or_torchtitan_overrides(monkeypa
 def test_one_registry_names_every_recipe_and_its_path():
     names = recipes.recipe_names()
     assert plan.recipe_names() == names
-    assert set(recipes.TRN2_RECIPES) == {"qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"}
+    assert set(recipes.TRN2_RECIPES) == {
+        "qwen3_4b_hf",
+        "qwen3_4b_native",
+        "qwen3_8b_tp4_fsdp16_sac",
+        "qwen3_moe_kernels",
+    }
     # the pilot's pairs name registered recipes, each on the path its child run is named for
     for pair in PAIRS.values():
         for child, recipe in zip(pair.children, pair.recipes, strict=True):

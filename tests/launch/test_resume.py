@@ -119,3 +119,20 @@ def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted
     saved = sum(f.stat().st_size for f in step.iterdir() if f.is_file())
     plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2, seq_len=32, local_batch_size=1, steps=4, run_dir=str(run_dir)))  # fmt: skip
     assert abs(checkpoint_bytes(plan) / saved - 1) < 0.05, (checkpoint_bytes(plan), saved)
+
+
+def test_one_rank_trains_the_two_rank_curve_and_two_ranks_resume_it(uninterrupted, train, tmp_path):
+    """Every mesh, one curve: the same initial weights and the same windows in each step's
+    global batch (2 samples: 2 ranks x 1, or 1 rank x 2 microbatches), so one rank's losses are
+    the two ranks' to float tolerance; its checkpoint resumes on two ranks."""
+    _, reference, _, _ = uninterrupted
+    run_dir = tmp_path / "one-rank"
+    pinned = ["--global-batch-size", "2"]
+    first, _, log = train(run_dir, "--ranks", "1", "--stop-after", "2", *pinned)
+    assert "dp_shard=1" in log
+    second, _, log = train(run_dir, "--resume", *pinned)  # _TINY's two ranks
+    assert "dp_shard=2" in log and "Training starts at step 3" in log
+    losses = {step: loss for step, (loss, _) in {**first, **second}.items()}
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step][0], abs=1e-4), step

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchtitan.config import ParallelismConfig, TrainingConfig
-from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from transformers import AutoModelForCausalLM
 
 from qwentitan.modeling import (
@@ -225,18 +225,54 @@ def test_torchtitans_activation_checkpointing_wraps_the_transformers_layers(toke
     assert spec.post_optimizer_build_fn is None  # nothing to balance in transformers' MoE
     with torch.no_grad():
         before = model(tokens)
-    parallelize_hf_qwen3(
-        model,
-        parallel_dims=SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False),
-        training=TrainingConfig(),
-        parallelism=ParallelismConfig(),
-        compile_config=SimpleNamespace(enable=False, components=[]),
-        ac_config=FullAC.Config(),
-        dump_folder="",
-    )
+    _checkpointed(model, FullAC.Config())
     assert all(type(layer).__name__ == "CheckpointWrapper" for layer in model.layers)
     model.train()
     logits = model(tokens)
     logits.sum().backward()
     assert torch.equal(logits.detach(), before)
     assert model.model.model.embed_tokens.weight.grad is not None
+
+
+def _checkpointed(model, ac_config):
+    """`parallelize_hf_qwen3` on one rank: activation checkpointing only."""
+    parallelize_hf_qwen3(
+        model,
+        parallel_dims=SimpleNamespace(fsdp_enabled=False, dp_replicate_enabled=False),
+        training=TrainingConfig(),
+        parallelism=ParallelismConfig(),
+        compile_config=SimpleNamespace(enable=False, components=[]),
+        ac_config=ac_config,
+        dump_folder="",
+    )
+
+
+def _grads_under(ac_config, tokens, positions):
+    torch.manual_seed(3)  # the same initial weights under each policy
+    _, model = _build("tiny-dense")
+    _checkpointed(model, ac_config)
+    model.train()
+    model(tokens, positions=positions).square().mean().backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_selective_activation_checkpointing_recomputes_what_full_checkpointing_does(tokens):
+    # torchtitan's loaders restart positions at every packed document
+    positions = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, -1)
+    full = _grads_under(FullAC.Config(), tokens, positions)
+    selective = _grads_under(SelectiveAC.Config(), tokens, positions)
+    assert full.keys() == selective.keys()
+    for name, grad in full.items():
+        torch.testing.assert_close(selective[name], grad, msg=name)
+
+
+def test_attention_is_causal_over_the_whole_window_across_documents(tokens):
+    """As torchtitan's SDPA: a document restart in the positions masks nothing."""
+    _, model = _build("tiny-dense")
+    positions = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, -1)
+    other = tokens.clone()
+    other[:, :20] = (other[:, :20] + 1) % 151936  # another first document
+    with torch.no_grad():
+        second = model(tokens, positions=positions)[:, 20:]
+        second_after_other_first = model(other, positions=positions)[:, 20:]
+    assert not torch.allclose(second, second_after_other_first)

@@ -198,52 +198,60 @@ def _moe_launcher(name: str) -> Callable[..., Any]:
     unhashable `MoECTESpec` is built inside, and `compute_dtype` crosses as an `nki.language`
     name, since both kernels default it to bfloat16 whatever the activations are.
     """
+    return _moe_forward_launcher() if name == "moe_blockwise_fwd" else _moe_backward_launcher()
+
+
+def _moe_forward_launcher() -> Callable[..., Any]:
+    """`moe_blockwise_fwd`: moe_cte, sharded on the intermediate dim, activations kept."""
     import nki
     import nki.language as nl
+    from nkilib.core.moe.moe_cte.moe_cte import (
+        MoECTEImplementation,
+        MoECTESpec,
+        ShardOnIConfig,
+        moe_cte,
+    )
+    from nkilib.core.utils.common_types import ExpertAffinityScaleMode
 
-    if name == "moe_blockwise_fwd":
-        from nkilib.core.moe.moe_cte.moe_cte import (
-            MoECTEImplementation,
-            MoECTESpec,
-            ShardOnIConfig,
-            moe_cte,
+    @nki.jit
+    def moe_blockwise_fwd(
+        hidden_states,
+        expert_affinities_masked,
+        gate_up_proj_weight,
+        down_proj_weight,
+        token_position_to_id,
+        block_to_expert,
+        block_size,
+        compute_dtype,
+    ):
+        # shard_on_i with checkpoint_activation returns (output, gate_up_activations_T,
+        # down_activations) (ShardOnIConfig's docstring); POST_SCALE because the backward
+        # kernel applies the affinity on H, after the down projection.
+        spec = MoECTESpec(
+            implementation=MoECTEImplementation.shard_on_i,
+            shard_on_I=ShardOnIConfig(checkpoint_activation=True),
         )
-        from nkilib.core.utils.common_types import ExpertAffinityScaleMode
+        return moe_cte(
+            hidden_states=hidden_states,
+            expert_affinities_masked=expert_affinities_masked,
+            gate_up_proj_weight=gate_up_proj_weight,
+            down_proj_weight=down_proj_weight,
+            token_position_to_id=token_position_to_id,
+            block_to_expert=block_to_expert,
+            block_size=block_size,
+            spec=spec,
+            compute_dtype=getattr(nl, compute_dtype),
+            is_tensor_update_accumulating=True,
+            expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
+        )
 
-        @nki.jit
-        def moe_blockwise_fwd(
-            hidden_states,
-            expert_affinities_masked,
-            gate_up_proj_weight,
-            down_proj_weight,
-            token_position_to_id,
-            block_to_expert,
-            block_size,
-            compute_dtype,
-        ):
-            # shard_on_i with checkpoint_activation returns (output, gate_up_activations_T,
-            # down_activations) (ShardOnIConfig's docstring); POST_SCALE because the backward
-            # kernel applies the affinity on H, after the down projection.
-            spec = MoECTESpec(
-                implementation=MoECTEImplementation.shard_on_i,
-                shard_on_I=ShardOnIConfig(checkpoint_activation=True),
-            )
-            return moe_cte(
-                hidden_states=hidden_states,
-                expert_affinities_masked=expert_affinities_masked,
-                gate_up_proj_weight=gate_up_proj_weight,
-                down_proj_weight=down_proj_weight,
-                token_position_to_id=token_position_to_id,
-                block_to_expert=block_to_expert,
-                block_size=block_size,
-                spec=spec,
-                compute_dtype=getattr(nl, compute_dtype),
-                is_tensor_update_accumulating=True,
-                expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
-            )
+    return moe_blockwise_fwd
 
-        return moe_blockwise_fwd
 
+def _moe_backward_launcher() -> Callable[..., Any]:
+    """`moe_blockwise_bwd`: blockwise_mm_bwd with SiLU, from the forward's activations."""
+    import nki
+    import nki.language as nl
     from nkilib.experimental.moe.bwd.blockwise_mm_backward import blockwise_mm_bwd
     from nkilib.experimental.moe.bwd.moe_bwd_parameters import ActFnType
 

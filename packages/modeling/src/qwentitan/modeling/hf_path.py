@@ -122,7 +122,16 @@ class HFQwen3Model(BaseModel):
                 "The hf path builds its own causal mask; use attn_backend 'sdpa' or 'flex' "
                 "without trainer-built attention masks."
             )
-        hidden = self.model.model(input_ids=tokens, position_ids=positions).last_hidden_state
+        # No KV cache: built on every step, it adds ops that selective AC's recomputation
+        # does not find. The all-ones mask keeps plain causal attention over the window, as
+        # torchtitan's SDPA; without one, transformers would mask each packed document found
+        # in the restarting positions.
+        hidden = self.model.model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=torch.ones_like(tokens),
+            use_cache=False,
+        ).last_hidden_state
         return hidden if self._skip_lm_head else self.model.lm_head(hidden)
 
     def init_states(self, *, buffer_device: torch.device | None = None) -> None:

@@ -33,31 +33,9 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.rope import CosSinRoPE
 
-try:  # registers the qwentitan:: ops; optional dependency (qwentitan-modeling[kernels])
-    import qwentitan.kernels as _kernels_package
-except ModuleNotFoundError:
-    _kernels_package = None
-
-
-def _error_class() -> type[Exception]:
-    try:
-        from qwentitan.modeling import ModelingError
-    except ImportError:
-        try:
-            from qwentitan.kernels import KernelError
-        except ImportError:
-            return ImportError
-        return KernelError
-    return ModelingError
-
-
-def _kernels():
-    if _kernels_package is None:
-        raise _error_class()(
-            "the moe-kernels path needs the qwentitan-kernels package, which is not installed; "
-            "install qwentitan-modeling[kernels]."
-        )
-    return _kernels_package
+# Registers the qwentitan:: ops. qwentitan-kernels is the `kernels` extra: `model_spec` refuses
+# the moe-kernels path in one sentence before importing this module when it is missing.
+import qwentitan.kernels as kernels
 
 
 def _fields(config: Any) -> dict[str, Any]:
@@ -116,7 +94,7 @@ class KernelCausalAttention(ScaledDotProductAttention):
         **kwargs: Any,
     ) -> torch.Tensor:
         if attention_masks is not None or not is_causal:
-            raise _kernels().KernelError(
+            raise kernels.KernelError(
                 "the kernel attention is causal over the whole sequence and takes no attention "
                 "masks; build the model with apply_kernel_replacements and call it without masks."
             )
@@ -146,22 +124,24 @@ class KernelGroupedExperts(GroupedExperts):
         self.use_nki = config.use_nki
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        kernels = _kernels()
         w1, w2, w3 = (
             w.to_local() if isinstance(w, DTensor) else w
             for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
         )
         dtype = self.compute_dtype or x_RD.dtype
         rows = x_RD.shape[0]
+        # Under EP this rank holds a slice of the experts (the Config counts them all), and the
+        # dispatcher gives one token count per local expert.
+        num_experts = w1.shape[0]
         expert_of_row = torch.repeat_interleave(
-            torch.arange(self.num_experts, device=x_RD.device),
+            torch.arange(num_experts, device=x_RD.device),
             num_tokens_per_expert_E.to(x_RD.device),
             output_size=rows,
         )
         token_position_to_id, block_to_expert = kernels.block_routing(
-            expert_of_row, self.num_experts, self.block_size
+            expert_of_row, num_experts, self.block_size
         )
-        affinities = torch.zeros(rows, self.num_experts, dtype=dtype, device=x_RD.device)
+        affinities = torch.zeros(rows, num_experts, dtype=dtype, device=x_RD.device)
         affinities = affinities.scatter(1, expert_of_row[:, None], 1.0)
         gate_up = torch.stack([w1.transpose(1, 2), w3.transpose(1, 2)], dim=2).to(dtype)
         down = w2.transpose(1, 2).to(dtype)
@@ -180,7 +160,7 @@ class KernelGroupedExperts(GroupedExperts):
 
 def _replace_rope(config: Any, use_nki: bool = True) -> KernelRoPE.Config:
     if not isinstance(config, CosSinRoPE.Config):
-        raise _kernels().KernelError(
+        raise kernels.KernelError(
             f"the kernel rope replaces cos/sin RoPE (rotate-half, as Qwen3 uses), got "
             f"{type(config).__qualname__}; point the rule at a CosSinRoPE config."
         )
@@ -197,7 +177,7 @@ def _replace_experts(
     config: Any, block_size: int = 256, use_nki: bool = True
 ) -> KernelGroupedExperts.Config:
     if not isinstance(config, GroupedExperts.Config):
-        raise _kernels().KernelError(
+        raise kernels.KernelError(
             f"the kernel experts replace GroupedExperts, got {type(config).__qualname__}; "
             "point the rule at moe.routed_experts.inner_experts."
         )
@@ -220,7 +200,6 @@ def default_rules(block_size: int = 256, choices: Any = None) -> list:
     still replaced, with `use_nki=False`; each replaced module is logged as
     `nki_<kernel>  <path>` or `reference_<kernel>  <path>`.
     """
-    kernels = _kernels()
     choices = kernels.KernelChoices.from_env() if choices is None else choices
     replace = {
         "rope": _replace_rope,
@@ -279,7 +258,7 @@ def rules_in(model_config: Any) -> list:
         return []
     choices = {kernel: "torchtitan" for kernel in _PATTERNS}
     choices.update({kernel: "nki" if nki else "reference" for kernel, nki in found.items()})
-    return default_rules(choices=_kernels().KernelChoices(**choices))
+    return default_rules(choices=kernels.KernelChoices(**choices))
 
 
 def apply_kernel_replacements(model_config: Any, rules: Sequence | None = None) -> Any:
@@ -288,5 +267,4 @@ def apply_kernel_replacements(model_config: Any, rules: Sequence | None = None) 
     `rules` defaults to `default_rules()`, which follows QWENTITAN_KERNELS. Logs one line per
     replaced module; a rule that matches nothing raises.
     """
-    kernels = _kernels()
     return kernels.apply_replacements(model_config, default_rules() if rules is None else rules)

@@ -32,6 +32,7 @@ INSTANCE_TYPE = "QWENTITAN_INSTANCE_TYPE"
 MODEL_FOLDERS = {
     "QWENTITAN_QWEN3_4B_DIR": "./assets/hf/Qwen3-4B-Instruct-2507",
     "QWENTITAN_QWEN3_30B_A3B_DIR": "./assets/hf/Qwen3-30B-A3B",
+    "QWENTITAN_QWEN3_8B_DIR": "./assets/hf/Qwen3-8B",
 }
 # The Neuron runtime's and TorchNeuron's own variables, which the plan checks or honours.
 LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"

@@ -32,10 +32,12 @@ from qwentitan.launch.launcher.memory import (
 from qwentitan.launch.launcher.plan_rules import (
     ParallelDegrees,
     check_compile_with_nki,
+    check_layout,
     check_loss_chunks,
     check_ranges,
     check_stop_after,
     compile_backend,
+    console_rank,
     global_batch_size,
     max_positions,
     resolve_degrees,
@@ -119,7 +121,10 @@ class LaunchPlan:
             # c10d assigns ranks in join order (torchrun ignores --node-rank with it); the id
             # keeps two jobs on one endpoint apart.
             args.append(f"--rdzv-id=qwentitan-{self.recipe}")
-        args += ["--local-ranks-filter=0", "--role=rank", "--tee=3", "-m", TRAIN_ENTRY]
+        shown = console_rank(
+            self.degrees, self.config.parallelism.pipeline_parallel_schedule, self.ranks_per_node
+        )
+        args += [f"--local-ranks-filter={shown}", "--role=rank", "--tee=3", "-m", TRAIN_ENTRY]
         return args + self.trainer_args()
 
     def launch_argv(self) -> list[str]:
@@ -305,6 +310,7 @@ def _checked(
     world = request.nodes * topology.ranks_per_node
     check_ranges(config)
     degrees = resolve_degrees(config.parallelism, world, topology)
+    check_layout(config, degrees, topology, request.recipe)
     seq_len = config.training.seq_len
     topology.target.check_seq_len(seq_len, topology.lnc, max_positions(config.model_spec.model))
     check_loss_chunks(config, seq_len, degrees.context_parallel)

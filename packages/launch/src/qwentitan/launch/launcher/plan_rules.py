@@ -1,7 +1,8 @@
 """The rules a plan is checked by, one function each: parallel degrees, the global batch, the
 ranges of config values, the loss's chunks, `--stop-after`, the compile backend, the model's
-positions. `resolve_plan` applies them all to the config every rank will build, so a value is
-checked the same whether it came from one of our flags or from a torchtitan override. Each
+positions, the layouts a model cannot train (`check_layout`). `resolve_plan` applies them all
+to the config every rank will build, so a value is checked the same whether it came from one of
+our flags or from a torchtitan override. Each
 refusal is a `LaunchError` of one sentence naming the fix.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from qwentitan.launch.base.errors import LaunchError
@@ -18,10 +20,12 @@ __all__ = [
     "NEURON_COMPILE_BACKEND",
     "ParallelDegrees",
     "check_compile_with_nki",
+    "check_layout",
     "check_loss_chunks",
     "check_ranges",
     "check_stop_after",
     "compile_backend",
+    "console_rank",
     "global_batch_size",
     "max_positions",
     "resolve_degrees",
@@ -229,6 +233,7 @@ def resolve_degrees(parallelism: Any, world: int, topology: Topology) -> Paralle
             )
         shard = world // others
     degrees = ParallelDegrees(shard, rep, tp, cp, pp, ep)
+    _check_expert_ranks(degrees, world)
     if degrees.product() != world:
         raise LaunchError(
             f"FSDP {shard} x TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = "
@@ -244,3 +249,106 @@ def resolve_degrees(parallelism: Any, world: int, topology: Topology) -> Paralle
             field="ep",
         )
     return degrees
+
+
+def _check_expert_ranks(degrees: ParallelDegrees, world: int) -> None:
+    """`--fsdp 2 --ep 2` on 4 ranks: EP is carved out of FSDP x CP x TP, it adds no ranks."""
+    product, ep = degrees.product(), degrees.expert_parallel
+    if ep > 1 and product != world and product * ep == world:
+        fsdp = degrees.data_parallel_shard * ep
+        raise LaunchError(
+            f"Expert parallelism borrows its ranks from FSDP x CP x TP instead of adding its own, "
+            f"so FSDP {degrees.data_parallel_shard} x EP {ep} covers {product} ranks, not "
+            f"{world}; pass {{fsdp}} {fsdp} {{ep}} {ep} to shard the experts {ep} ways within "
+            f"FSDP {fsdp}.",
+            field="ep",
+        )
+
+
+# How a sentence names each degree's setting: a request field, or (CP, which the request does
+# not hold) torchtitan's own override.
+_SETTINGS = {
+    "TP": "{tp}",
+    "PP": "{pp}",
+    "EP": "{ep}",
+    "CP": "--parallelism.context-parallel-degree",
+}
+
+
+def check_layout(config: Any, degrees: ParallelDegrees, topology: Topology, recipe: str) -> None:
+    """Refuse before any rank starts a layout the recipe's model cannot train (torchtitan and
+    qwentitan.modeling would refuse it only inside every rank, with a traceback)."""
+    check_hf_layout(config, degrees, recipe)
+    check_context_parallel(config, degrees, topology)
+    check_pipeline_tying(config, degrees, recipe)
+
+
+def check_hf_layout(config: Any, degrees: ParallelDegrees, recipe: str) -> None:
+    """The hf path (transformers' model) shards with FSDP and HSDP only."""
+    asked = {
+        "TP": degrees.tensor_parallel,
+        "CP": degrees.context_parallel,
+        "PP": degrees.pipeline_parallel,
+        "EP": degrees.expert_parallel,
+    }
+    bad = {name: value for name, value in asked.items() if value > 1}
+    if not bad:
+        return
+    from qwentitan.modeling.hf_path import HFQwen3Model  # transformers: only when asked
+
+    if not isinstance(config.model_spec.model, HFQwen3Model.Config):
+        return
+    layout = " x ".join(f"{name} {value}" for name, value in bad.items())
+    settings = " and ".join(f"{_SETTINGS[name]} 1" for name in bad)
+    raise LaunchError(
+        f"Recipe {recipe!r} trains transformers' own model (the hf path), which shards with "
+        f"FSDP only, not {layout}; pass {settings}, or train a native-path recipe "
+        "(torchtitan's model, e.g. tiny_dense) for that layout.",
+        field=next((name.lower() for name in bad if name != "CP"), None),
+    )
+
+
+def check_context_parallel(config: Any, degrees: ParallelDegrees, topology: Topology) -> None:
+    """CP needs FlexAttention under torchtitan 0.3.0's multi-axis backends, and no CPU runs it."""
+    cp = degrees.context_parallel
+    if cp == 1:
+        return
+    if topology.device_type == "cpu":
+        raise LaunchError(
+            f"Context parallelism {cp} does not train on CPU (torchtitan runs it with "
+            "FlexAttention, which has no CPU backward, or SDPA, whose CPU flash kernel has no "
+            f"DTensor rule); pass {_SETTINGS['CP']} 1 here."
+        )
+    attention = getattr(
+        getattr(config.model_spec.model, "first_attention", None), "inner_attention", None
+    )
+    backend = config.parallelism.spmd_backend
+    if backend != "partial_dtensor" and "FlexAttention" not in type(attention).__qualname__:
+        raise LaunchError(
+            f"Context parallelism {cp} runs only with FlexAttention under torchtitan's "
+            f"{backend!r} backend, and this model's attention on {topology.name} is "
+            f"{type(attention).__qualname__.split('.')[0]}; pass {_SETTINGS['CP']} 1."
+        )
+
+
+def check_pipeline_tying(config: Any, degrees: ParallelDegrees, recipe: str) -> None:
+    """A tied embedding and output head would sit in the first and the last pipeline stage."""
+    pp = degrees.pipeline_parallel
+    if pp > 1 and getattr(config.model_spec.model, "enable_weight_tying", False):
+        raise LaunchError(
+            f"Recipe {recipe!r} ties its input embedding to its output head, which pipeline "
+            f"parallelism {pp} would put in different stages; pass {{pp}} 1, or pick a recipe "
+            "with untied embeddings (e.g. tiny_moe).",
+            field="pp",
+        )
+
+
+def console_rank(degrees: ParallelDegrees, pp_schedule: str, ranks_per_node: int) -> int:
+    """The local rank whose lines the console shows (torchrun's `--local-ranks-filter`):
+    torchtitan's metrics rank, on its node. Under PP that is the first rank of the last stage,
+    the only one that has the loss (the first stage logs -1); else rank 0."""
+    from torchtitan.components.metrics import _get_metrics_rank
+
+    pp = degrees.pipeline_parallel
+    dims = SimpleNamespace(pp_enabled=pp > 1, pp=pp, world_size=degrees.product())
+    return _get_metrics_rank(parallel_dims=dims, pp_schedule=pp_schedule) % ranks_per_node

@@ -84,7 +84,6 @@ def check_resumable(
     recipe: str,
     *,
     fresh: str | None = None,
-    data_ranks: int | None = None,
 ) -> int:
     """The step torchtitan will resume in `folder`; LaunchError if its checkpoint is unusable.
 
@@ -111,15 +110,14 @@ def check_resumable(
             else fresh
         )
         raise LaunchError(f"The checkpoint to resume is damaged: {damage}; {fix}.", field="resume")
-    saved_ranks = _data_ranks(latest)
-    if data_ranks is not None and saved_ranks and saved_ranks != data_ranks:
-        # torchtitan keeps one data position per data-parallel rank and refuses another count
-        # deep in the load ("dp_degree is inconsistent").
+    if saved_ranks := _data_ranks(latest):
+        # qwentitan's loader saves one data position for all ranks (runtime/data/loader.py),
+        # which resumes under any data-parallel degree; torchtitan's saved one per rank.
         raise LaunchError(
-            f"{latest} was saved by {saved_ranks} data-parallel ranks but this run has "
-            f"{data_ranks}; resume it with {saved_ranks} data-parallel ranks (e.g. "
-            f"{{ranks_per_node}} {saved_ranks}), or pass another {{run_dir}} to start fresh.",
-            field="ranks_per_node",
+            f"{latest} holds one data position per data-parallel rank ({saved_ranks}), as "
+            "qwentitan saved them before it kept one for all ranks, and this loader cannot "
+            "read them; pass another {run_dir} to start fresh.",
+            field="run_dir",
         )
     mismatch = _mismatch(latest, model)
     if mismatch is not None:
@@ -155,7 +153,7 @@ def _damage(step: Path) -> str | None:
 
 
 def _data_ranks(step: Path) -> int:
-    """How many data-parallel ranks saved `step` (their data positions), 0 if unknown."""
+    """How many per-rank data positions (torchtitan's `dp_rank_<r>`) `step` holds, 0 if none."""
     if not (step / METADATA).is_file():
         return 0
     keys = read_metadata(step).state_dict_metadata

@@ -178,7 +178,6 @@ def check_checkpoints(plan: LaunchPlan, *, folder_given: bool = True) -> int | N
         state_shapes(plan.config),
         plan.recipe,
         fresh="pass another {run_dir} to start fresh" if folder_given else None,
-        data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
     )
     if step >= plan.steps:
         raise LaunchError(

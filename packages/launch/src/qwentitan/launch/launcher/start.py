@@ -54,7 +54,6 @@ def check_inputs(plan: LaunchPlan, request: RunRequest) -> None:
     if request.dataset not in (None, OFFLINE):
         check_dataset(
             resolve_dataset(request.dataset),
-            data_ranks=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
             holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
             validating=bool(plan.config.validator.enable),
         )

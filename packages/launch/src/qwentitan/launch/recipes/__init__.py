@@ -29,6 +29,7 @@ _TINY = "qwentitan.launch.recipes.tiny"
 _TRN2 = "qwentitan.launch.recipes.trn2"
 _QWEN3_4B = "Qwen/Qwen3-4B-Instruct-2507"
 _QWEN3_30B = "Qwen/Qwen3-30B-A3B"
+_QWEN3_8B = "Qwen/Qwen3-8B"
 _SMALL_FILES = ("*.json", "*.txt")  # config, tokenizer, generation config, merges
 
 
@@ -56,8 +57,10 @@ _RECIPES = {
         Recipe("tiny_hf", _TINY, "hf"),
         Recipe("tiny_moe", _TINY, "native"),
         Recipe("tiny_moe_kernels", _TINY, "moe-kernels"),
+        Recipe("tiny_tp2_fsdp2_sac", _TINY, "native"),
         Recipe("qwen3_4b_hf", _TRN2, "hf", NEURON_TARGET, _QWEN3_4B),
         Recipe("qwen3_4b_native", _TRN2, "native", NEURON_TARGET, _QWEN3_4B),
+        Recipe("qwen3_8b_tp4_fsdp16_sac", _TRN2, "native", NEURON_TARGET, _QWEN3_8B),
         # Its weights start from a random initialisation: the config and tokenizer suffice.
         Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", NEURON_TARGET, _QWEN3_30B, _SMALL_FILES),
     )

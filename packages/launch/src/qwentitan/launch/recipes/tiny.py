@@ -1,5 +1,5 @@
 """Tiny Qwen3 recipes that train on any machine in minutes: `tiny_dense`, `tiny_moe`,
-`tiny_moe_kernels`, `tiny_hf`.
+`tiny_moe_kernels`, `tiny_hf`, and `tiny_tp2_fsdp2_sac`, the CPU twin of AWS's reference mesh.
 
 The default data needs no download: the offline corpus (the interpreter's own help text and
 standard-library docstrings) read through Qwen3's real tokenizer (151,936-row padded vocabulary).
@@ -18,6 +18,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
 from qwentitan.kernels import KernelChoices
 from qwentitan.launch.base.target import Target
@@ -27,7 +28,14 @@ from qwentitan.launch.runtime.trainer import Trainer
 from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.modeling import get_flavor, model_spec
 
-__all__ = ["metrics_config", "tiny_dense", "tiny_hf", "tiny_moe", "tiny_moe_kernels"]
+__all__ = [
+    "metrics_config",
+    "tiny_dense",
+    "tiny_hf",
+    "tiny_moe",
+    "tiny_moe_kernels",
+    "tiny_tp2_fsdp2_sac",
+]
 
 SEED = 0
 
@@ -43,13 +51,19 @@ def tiny_model(flavor: str, path: str, target: Target, kernels: KernelChoices | 
     # The Target names the attention that trains there (SDPA on CPU: FlexAttention has no CPU
     # backward). torchtitan computes MoE experts in bfloat16, which a CPU only emulates; in
     # float32 they also match the kernel experts closely enough for the pilot to compare paths.
-    return model_spec(
+    spec = model_spec(
         get_flavor(flavor),
         path,
         attn_backend=target.attention,
         float32_experts=target.device_type == "cpu",
         kernels=kernels,
     )
+    if target.backend == "gloo" and get_flavor(flavor).is_moe:
+        # gloo's all-to-all takes uneven token splits only in its single-tensor form
+        from qwentitan.modeling.gloo_dispatch import with_gloo_token_dispatch
+
+        with_gloo_token_dispatch(spec.model)
+    return spec
 
 
 def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
@@ -122,3 +136,14 @@ def tiny_moe_kernels() -> Trainer.Config:
 def tiny_hf() -> Trainer.Config:
     """`tiny_dense` built as the Transformers v5 model (`hf` path) instead of torchtitan's."""
     return _tiny("tiny_hf", "tiny-dense", lr=1e-2)
+
+
+def tiny_tp2_fsdp2_sac() -> Trainer.Config:
+    """`tiny_dense` on the mesh of AWS's `qwen3_8b_tp4_fsdp16_sac` in small: tensor parallel 2
+    x FSDP over the other ranks (2 on `--ranks 4`), selective activation checkpointing, eager,
+    a global batch pinned to 8 windows whatever the number of ranks."""
+    config = _tiny("tiny_tp2_fsdp2_sac", "tiny-dense", lr=1e-2)
+    config.parallelism.tensor_parallel_degree = 2
+    config.training.global_batch_size = 8
+    config.activation_checkpoint = SelectiveAC.Config()
+    return config

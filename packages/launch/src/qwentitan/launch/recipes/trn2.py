@@ -1,8 +1,8 @@
-"""The three trn2.48xlarge recipes, one per implementation path (hf, native, moe-kernels).
+"""The trn2.48xlarge recipes: one per implementation path (hf, native, moe-kernels), FSDP over
+all 64 ranks, and AWS's reference run (`qwen3_8b_tp4_fsdp16_sac`: TP 4 x FSDP 16).
 
 Each is a torchtitan config-registry function (`--module qwentitan.launch.recipes --config
-<name>`) returning a Trainer.Config sized for one trn2.48xlarge at LNC=2: 64 ranks, FSDP over
-all of them. None of them has been run on Trainium (see the README); `qwentitan-launch plan`
+<name>`) returning a Trainer.Config sized for one trn2.48xlarge at LNC=2: 64 ranks. None of them has been run on Trainium (see the README); `qwentitan-launch plan`
 and `preflight` check them on any host.
 
 Local folders (a trn2 host has them on its own disk; nothing is downloaded at run time) are
@@ -15,6 +15,8 @@ from that field, never from `hf_assets_path`, so one folder is two fields). Thei
   model folder of Qwen3-4B-Instruct-2507 (config.json, tokenizer.json, safetensors).
 - `$QWENTITAN_QWEN3_30B_A3B_DIR`, else `./assets/hf/Qwen3-30B-A3B`: its tokenizer is
   used by the MoE recipe, whose weights start from a random initialisation.
+- `$QWENTITAN_QWEN3_8B_DIR`, else `./assets/hf/Qwen3-8B` (the folder AWS's toml names): the
+  Hugging Face model folder of Qwen3-8B, for `qwen3_8b_tp4_fsdp16_sac`.
 
 `qwentitan-launch fetch --recipe NAME` downloads a recipe's model folder from the Hub.
 
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 from dataclasses import fields
 from functools import partial
+from typing import Any
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.qwen3 import config_registry as torchtitan_qwen3
 
 from qwentitan.kernels import KernelChoices
@@ -44,7 +48,13 @@ from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader
 from qwentitan.launch.runtime.trainer import Trainer
 from qwentitan.launch.tracking import tracked_metrics
 
-__all__ = ["TRN2_RECIPES", "qwen3_4b_hf", "qwen3_4b_native", "qwen3_moe_kernels"]
+__all__ = [
+    "TRN2_RECIPES",
+    "qwen3_4b_hf",
+    "qwen3_4b_native",
+    "qwen3_8b_tp4_fsdp16_sac",
+    "qwen3_moe_kernels",
+]
 
 
 def qwen3_4b_folder() -> str:
@@ -53,6 +63,10 @@ def qwen3_4b_folder() -> str:
 
 def qwen3_30b_a3b_folder() -> str:
     return env_defaults.model_folder("QWENTITAN_QWEN3_30B_A3B_DIR")
+
+
+def qwen3_8b_folder() -> str:
+    return env_defaults.model_folder("QWENTITAN_QWEN3_8B_DIR")
 
 
 def trn2_model(flavor: str, path: str, target: Target, kernels: KernelChoices | None = None):
@@ -83,6 +97,17 @@ def _loss(flavor: str) -> ChunkedLossWrapper.Config:
     return ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab))
 
 
+def _from_folder(folder: str, **settings: Any) -> CheckpointManager.Config:
+    """Checkpoints on, the run starting from the model weights of the HF folder `folder`."""
+    return CheckpointManager.Config(
+        enable=True,
+        initial_load_path=folder,
+        initial_load_in_hf=True,
+        initial_load_model_only=True,
+        **settings,
+    )
+
+
 def qwen3_4b_hf() -> Trainer.Config:
     """Transformers v5 Qwen3-4B-Instruct-2507 from its local folder, fine-tuned 10 steps.
 
@@ -103,12 +128,9 @@ def qwen3_4b_hf() -> Trainer.Config:
         ),
         activation_checkpoint=FullAC.Config(),
         compile=CompileConfig(enable=False),
-        checkpoint=CheckpointManager.Config(
-            enable=True,
+        checkpoint=_from_folder(
+            folder,
             interval=10,
-            initial_load_path=folder,
-            initial_load_in_hf=True,
-            initial_load_model_only=True,
             last_save_in_hf=True,
             last_save_model_only=True,
             export_dtype="bfloat16",
@@ -147,3 +169,35 @@ def qwen3_moe_kernels() -> Trainer.Config:
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=-1, expert_parallel_degree=1)
     config.checkpoint.enable = True
     return config
+
+
+def qwen3_8b_tp4_fsdp16_sac() -> Trainer.Config:
+    """AWS's reference run: Qwen3-8B, tensor parallel 4 x FSDP over the other ranks (16 on one
+    trn2.48xlarge at LNC 2), selective activation checkpointing, eager, on torchtitan's model.
+
+    As the Neuron SDK 2.33 tutorial "Run a basic TorchTitan training on Neuron" defines its
+    config `qwen3_8b_tp4_fsdp16_sac` (module `torchtitan_neuron.models.qwen3`): TP 4 with the
+    data-parallel shard degree left at -1 (FSDP takes the rest), eager mode with no
+    torch.compile; and as TorchNeuron's public mirror writes its toml
+    (docs/torchtitan/qwen3/qwen3_8b_tp4_fsdp.toml of parmoham-aws/test-repo-parmoham): local
+    batch 1, sequence 4096, global batch 16, AdamW at lr 3e-4, 2 warm-up steps, 500 steps,
+    selective AC by op. Unlike the toml, which trains from a random init on torchtitan's
+    `c4_test`, the weights load from the local Qwen3-8B folder (as the qwen3_4b recipes do;
+    `--checkpoint.initial-load-path ""` starts from random instead) and the data is the
+    offline corpus; checkpoints are on, every 500 steps, so a preempted run resumes.
+    """
+    folder = qwen3_8b_folder()
+    return Trainer.Config(
+        model_for=_model_for("qwen3-8b", "qwen3_8b_tp4_fsdp16_sac"),
+        hf_assets_path=folder,
+        loss=_loss("qwen3-8b"),
+        metrics=_metrics("qwen3_8b_tp4_fsdp16_sac"),
+        dataloader=TextDataLoader.Config(dataset=OFFLINE),
+        optimizer=default_adamw(lr=3e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
+        training=TrainingConfig(local_batch_size=1, seq_len=4096, global_batch_size=16, steps=500),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1, tensor_parallel_degree=4),
+        activation_checkpoint=SelectiveAC.Config(),
+        compile=CompileConfig(enable=False),
+        checkpoint=_from_folder(folder, interval=500, last_save_model_only=False),
+    )

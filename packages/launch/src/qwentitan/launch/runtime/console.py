@@ -9,6 +9,7 @@ in plain words by qwentitan (the MFU line of `trainer.Trainer`) or carries nothi
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 __all__ = ["NOISE", "quiet_console"]
@@ -26,24 +27,29 @@ NOISE: dict[str, str] = {
     # components/checkpointer/base.py: recipes set the flag for when an initial_load_path is
     # given (`--checkpoint.initial_load_path`); without one it is simply unused.
     "initial_load_model_only=True has no effect": "harmless default of the recipes",
+    # components/metrics.py ensure_pp_loss_visible asks for the last stage's rank in LOG_RANK
+    # (its run_train.sh); the launcher's torchrun line shows that rank (plan_rules.console_rank).
+    "Pipeline Parallel loss is not visible": "the console shows the last stage's rank",
 }
 
 # Python warnings (message regex, category) that are dropped, and why.
 _WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    # torch/distributed/tensor/_dispatch.py, on a CPU mesh: qwentitan seeds every rank alike
-    # and the CPU rehearsal does not rely on DTensor's random-op offsets.
-    ("DTensor random operators may not have complete support", UserWarning),
-    # torchtitan/distributed/utils.py seeds through DTensor's manual_seed on a CPU mesh (2+
-    # ranks): same reason as above.
-    (r"DTensor manual_seed\(\) may not have complete support", UserWarning),
+    # Not dropped: torch's "DTensor random operators / manual_seed() may not have complete
+    # support on cpu device mesh", which torchtitan's seeding of 2+ CPU ranks prints. It is
+    # true: DTensor cannot split a random init across CPU ranks, so qwentitan does not use it
+    # for the initial weights there (runtime/whole_init.py).
     # torchdata's StatefulDataLoader calls torch.set_vital, deprecated by torch: not ours to fix.
     ("'set_vital' is deprecated", UserWarning),
 )
 
 
+# torchtitan colours some of its lines (ANSI escapes), which the starts above leave out.
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        message = _COLOUR.sub("", record.getMessage())
         return not any(message.startswith(start) for start in NOISE)
 
 

@@ -38,6 +38,7 @@ from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
 from qwentitan.launch.runtime.platforms import Platform, get_platform, host_target
 from qwentitan.launch.runtime.preemption import PreemptionWatch
+from qwentitan.launch.runtime.whole_init import whole_init
 from qwentitan.launch.tracking.logger import FIRST_STEP, attach_report
 
 __all__ = [
@@ -234,6 +235,8 @@ class Trainer(torchtitan_trainer.Trainer):
         # Installed before the model is built: a preemption during start-up is then honoured at
         # the first step boundary instead of killing the rank without a checkpoint.
         self.preemption = PreemptionWatch().install()
+        if self.target.device_type == "cpu":  # DTensor cannot split a random init there
+            whole_init(config)
         super().__init__(config)
         # On a full disk torchtitan's structured logger (a file in the run folder) fails too, and
         # Python's logging would print a traceback per record; the failed save's sentence says why.

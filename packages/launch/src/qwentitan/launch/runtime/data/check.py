@@ -10,8 +10,8 @@ The rules, in this one place: blank lines and documents whose `text` is empty ar
 hold no token to train on: Qwen3 adds no BOS, and the EOS is only ever a target); a line that
 is not UTF-8 JSON holding a `text` string, or whose text pyarrow cannot store (a lone UTF-16
 surrogate, which Python's `json` accepts), is refused by file and line. A dataset too small for
-the run is refused too (`check_dataset`): a data-parallel rank whose slice holds no document
-would otherwise re-loop over nothing forever.
+the run is refused too (`check_dataset`): a slice (training, or the held-out validation one)
+that holds no document would otherwise re-loop over nothing forever.
 """
 
 from __future__ import annotations
@@ -37,46 +37,33 @@ __all__ = ["check_dataset", "check_json_lines", "minimum_documents", "read_docum
 _FIX = 'write one {"text": ...} object per line (c4 style), UTF-8'
 
 
-def minimum_documents(data_ranks: int, holdout_every: int, *, validating: bool) -> int:
-    """Documents a local dataset needs so that every data-parallel rank's training slice, and
-    (when `validating`) its validation slice, hold at least one.
+def minimum_documents(holdout_every: int, *, validating: bool) -> int:
+    """Documents a local dataset needs so that its training slice, and (when `validating`) its
+    validation slice, hold at least one.
 
     The loader holds out every `holdout_every`-th document for validation (whether or not
-    validation runs) and torchtitan splits each slice over the ranks in contiguous shards.
+    validation runs); every data-parallel rank reads the whole of each slice (see `loader`), so
+    the number of ranks does not matter.
     """
     if holdout_every < 2:
         raise LaunchError(
             f"holdout_every {holdout_every} leaves no training document; pass 2 or more."
         )
-    documents = 1
-    while (documents - documents // holdout_every < data_ranks) or (
-        validating and documents // holdout_every < data_ranks
-    ):
-        documents += 1
-    return documents
+    return holdout_every if validating else 1
 
 
-def check_dataset(
-    source: _Source, *, data_ranks: int = 1, holdout_every: int = 20, validating: bool = False
-) -> int:
+def check_dataset(source: _Source, *, holdout_every: int = 20, validating: bool = False) -> int:
     """Refuse (LaunchError) the first line of a local source that is not a c4-style document,
-    or a source with fewer documents than `minimum_documents(...)` (the run's slices would be
-    empty); returns the number of documents.
+    or a source with fewer documents than `minimum_documents(...)` (a slice would be empty);
+    returns the number of documents.
     """
     documents = sum(check_json_lines(Path(file)) for file in source.files)
-    needed = minimum_documents(data_ranks, holdout_every, validating=validating)
+    needed = minimum_documents(holdout_every, validating=validating)
     if documents < needed:
-        where = source.name
-        why = (
-            f"every {holdout_every}th document is held out for validation and each of the "
-            f"{data_ranks} data-parallel rank(s) needs one of them"
-            if validating
-            else f"each of the {data_ranks} data-parallel rank(s) needs one"
-        )
         raise LaunchError(
-            f"Dataset {where} holds {documents} document(s) but this run needs at least "
-            f"{needed} ({why}); add documents, or run fewer ranks"
-            + (" or without validation (`-- --validator.no-enable`)." if validating else ".")
+            f"Dataset {source.name} holds {documents} document(s) but this run needs at least "
+            f"{needed} (every {holdout_every}th document is held out for validation); add "
+            "documents, or run without validation (`-- --validator.no-enable`)."
         )
     return documents
 

@@ -1,17 +1,31 @@
 """Text datasets for torchtitan: the offline corpus, local c4-style JSON lines, or a Hub name.
 
 `TextDataLoader.Config(dataset=...)` goes where torchtitan's `HuggingFaceTextDataLoader.Config`
-does (`Trainer.Config.dataloader`, `Validator.Config.dataloader`). Documents are tokenized,
-packed into `seq_len` windows and sharded over data-parallel ranks by torchtitan's own
-`HuggingFaceTextDataset`, which also checkpoints the read position. This module only says
-where the text comes from, through torchtitan's dataset table (`DATASETS`, its documented
-extension point), and keeps a held-out slice of local data for validation.
+does (`Trainer.Config.dataloader`, `Validator.Config.dataloader`). Documents are tokenized and
+packed into `seq_len` windows by torchtitan's own `HuggingFaceTextDataset`, which also
+checkpoints the read position. This module says where the text comes from, through
+torchtitan's dataset table (`DATASETS`, its documented extension point), keeps a held-out slice
+of local data for validation, and deals the windows to the data-parallel ranks.
+
+One stream for every layout: each rank packs the whole dataset, in one order, into the same
+windows a single rank would (torchtitan would give each rank a contiguous part of the corpus
+to pack alone, so the documents of a step changed with the number of ranks). The windows go out
+in rounds of `local_batch_size x dp_world_size`, rank r taking the r-th `local_batch_size` of
+each round; with a global batch that is a whole number of rounds (torchtitan requires it),
+step k trains on the same windows for any data-parallel degree, and only the split between
+ranks and gradient-accumulation microbatches differs. Each rank reads a whole round before
+taking its part, so at every batch boundary all ranks hold one read position: it is saved once,
+under one key (`POSITION`), and a run resumes from it with any data-parallel degree. The price
+is that every rank tokenizes every window (about 65k tokens a step for a global batch of 16 x
+4096, a small fraction of a step), and streams all of a Hub dataset's text.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import pickle
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,9 +43,12 @@ from qwentitan.launch.runtime.data.check import read_documents
 from qwentitan.launch.runtime.data.corpus import offline_corpus
 from qwentitan.launch.runtime.preemption import stop_if_overdue
 
-__all__ = ["OFFLINE", "DataSource", "TextDataLoader", "resolve_dataset"]
+__all__ = ["OFFLINE", "POSITION", "DataSource", "TextDataLoader", "resolve_dataset"]
 
 OFFLINE = "offline"
+# The checkpoint key of the one data position all ranks share (torchtitan keeps one per rank,
+# `dp_rank_<r>`, and refuses another data-parallel degree on resume).
+POSITION = "position"
 _JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 
 
@@ -146,11 +163,34 @@ def _register(source: DataSource, split: str, holdout_every: int) -> str:
 
 
 class _TextDataset(HuggingFaceTextDataset):
-    """torchtitan's packing dataset, with two stops its endless loop lacks."""
+    """torchtitan's packing dataset over the whole data on every rank, dealt out in rounds (see
+    the module doc), with two stops its endless loop lacks."""
 
-    def __init__(self, *args: Any, dp_rank: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, dp_rank=dp_rank, **kwargs)
-        self._dp_rank = dp_rank
+    def __init__(
+        self,
+        *args: Any,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        local_batch_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, dp_rank=0, dp_world_size=1, **kwargs)  # the one global stream
+        self._round = local_batch_size * dp_world_size
+        self._slot = slice(dp_rank * local_batch_size, (dp_rank + 1) * local_batch_size)
+        # This rank's windows of the round read last, not yet out: none at a batch boundary
+        # (a batch is one slot), where torchtitan saves the position.
+        self._pending: list[Any] = []
+
+    def __iter__(self) -> Iterator[Any]:
+        windows = super().__iter__()
+        while True:
+            if not self._pending:
+                # Read the whole round, every rank's windows, before handing out this rank's:
+                # the read position is then the same on all ranks at a batch boundary.
+                self._pending = list(itertools.islice(windows, self._round))[self._slot]
+                if not self._pending:
+                    return  # a finite split ran out
+            yield self._pending.pop(0)
 
     def _get_data_iter(self) -> Iterator[Any]:
         for sample in super()._get_data_iter():
@@ -164,8 +204,8 @@ class _TextDataset(HuggingFaceTextDataset):
             # A slice without documents would re-loop over nothing forever (the launcher's
             # `check_dataset` refuses a local dataset this small before any rank starts).
             logger.error(
-                f"Dataset {self.dataset_name} holds no document for data-parallel rank "
-                f"{self._dp_rank}; use a larger dataset or fewer ranks."
+                f"Dataset {self.dataset_name} holds no document in this slice; use a larger "
+                "dataset."
             )
             raise SystemExit(2)  # one sentence, not a traceback per rank
         super().reloop()
@@ -209,6 +249,7 @@ class TextDataLoader(ParallelAwareDataloader):
             seq_len=seq_len,
             dp_rank=dp_rank,
             dp_world_size=dp_world_size,
+            local_batch_size=local_batch_size,
             infinite=config.infinite,
         )
         super().__init__(
@@ -222,3 +263,13 @@ class TextDataLoader(ParallelAwareDataloader):
             snapshot_every_n_steps=snapshot_every_n_steps,
             batch_size=local_batch_size,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        # The same on every rank at a step boundary (see the module doc), so DCP writes it once;
+        # torchtitan's ParallelAwareDataloader would key it by rank, so its base's is taken.
+        return {POSITION: pickle.dumps(super(ParallelAwareDataloader, self).state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict:
+            position = pickle.loads(state_dict[POSITION])
+            super(ParallelAwareDataloader, self).load_state_dict(position)
