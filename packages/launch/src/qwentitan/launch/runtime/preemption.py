@@ -37,10 +37,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # What the launcher passes on to the ranks; SIGHUP (terminal closed) becomes SIGTERM there.
@@ -102,6 +102,11 @@ class PreemptionWatch:
         """The reason to stop now, agreed by every rank (one tiny all-reduce), or None."""
         local = 0 if self.received is None else int(self.received)
         agreed = local
+        # torch only here: the launcher's supervising side (and the CLI's --help) imports this
+        # module for its signals and exit code, and must not pay torch's import.
+        import torch
+        import torch.distributed as dist
+
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([local], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
