@@ -60,7 +60,13 @@ TRN2_PYTHON_TESTS = (
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
-    session.run("python", "-m", "pytest", *paths, *session.posargs)
+    session.run("python", "-m", "pytest", *paths, *PARALLEL, *session.posargs)
+
+
+# Two pytest-xdist workers: while one test waits (a process starting, a SLURM job, an install)
+# the other uses the core. A file stays on one worker (tests/conftest.py) and one training runs
+# at a time across them (the `training_slot` fixture).
+PARALLEL = ("-n", "2", "--dist", "loadgroup")
 
 
 @nox.session
@@ -87,7 +93,7 @@ def tests_trn2_python(session: nox.Session) -> None:
     _sync(session, "--all-packages", "--group", "test", "--group", "neuron-pair")
     session.run(
         "python", "-m", "pytest", *TRN2_PYTHON_TESTS, "-m", "not slow",
-        "-p", "no:cacheprovider", *session.posargs,
+        "-p", "no:cacheprovider", *PARALLEL, *session.posargs,
     )  # fmt: skip
     run_dir = Path(session.create_tmp()) / "tiny-train"
     session.run(
