@@ -49,6 +49,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     hf = HFFolder(src)
     config, config_file = read_config(src)
     layout = Qwen3Layout.from_config(config, config_file)
+    layout.check_held(hf.shapes, config_file, src)
     check_hf_tensors(hf, layout, config_file)
 
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -203,6 +204,7 @@ def to_hf(
         config = src
     cfg, config_file = read_config(config)
     layout = Qwen3Layout.from_config(cfg, config_file)
+    layout.check_held(ckpt.held_shapes(), config_file, src)
     export_dtype = _dtype(dtype)
     shard_bytes = parse_size(max_shard_size)
     tensors = check_dcp_tensors(ckpt, layout, config_file)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from qwentitan.checkpoint.disk import copy_range, nbytes_of, start_writeback
 from qwentitan.checkpoint.errors import CheckpointError
+from qwentitan.checkpoint.files import member
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -134,8 +136,8 @@ class HFFolder:
                 f"{index} is not a valid index (no weight_map object); restore it from the "
                 "model's original files."
             ) from None
-        for shard_name in sorted(set(weight_map.values())):
-            shard = self.path / shard_name
+        shards = {name: member(self.path, name, index) for name in weight_map.values()}
+        for shard_name, shard in sorted(shards.items()):
             if not shard.is_file():
                 raise CheckpointError(
                     f"{shard} is named in {index.name} but missing; download that shard into "
@@ -166,6 +168,11 @@ class HFFolder:
     def files(self) -> list[Path]:
         """The safetensors files holding the tensors, in name order."""
         return sorted({stored.file for stored in self.tensors.values()})
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, by name."""
+        return {name: stored.shape for name, stored in self.tensors.items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
@@ -256,6 +263,10 @@ def parse_size(text: str | int) -> int:
         raise CheckpointError(
             f"--max-shard-size {text!r} is not a size; write it like 5GB, 500MB or 2GiB."
         ) from None
+    if not math.isfinite(value):  # float() reads inf, nan and 1e400 (inf)
+        raise CheckpointError(
+            f"--max-shard-size {text!r} is not a finite size; write it like 5GB, 500MB or 2GiB."
+        )
     if value < 1:
         raise CheckpointError(f"--max-shard-size {text!r} must be positive; use e.g. 5GB.")
     return int(value)

@@ -127,6 +127,7 @@ def verify(
     hf = HFFolder(hf_dir)
     config, config_file = read_config(hf_dir)
     layout = Qwen3Layout.from_config(config, config_file)
+    layout.check_held(hf.shapes, config_file, hf_dir)
     check_hf_tensors(hf, layout, config_file)
     ckpt = dcp_read.DCPFolder(dcp_dir)
     report = VerifyReport(hf_dir, dcp_dir)
