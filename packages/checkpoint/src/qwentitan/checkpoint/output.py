@@ -30,11 +30,11 @@ from qwentitan.checkpoint.dcp_metadata import METADATA
 from qwentitan.checkpoint.disk import libc
 from qwentitan.checkpoint.errors import CheckpointError
 from qwentitan.checkpoint.files import disk_room
-from qwentitan.checkpoint.safetensors_io import INDEX, SINGLE
+from qwentitan.checkpoint.safetensors_io import INDEX, SHARD_PLAN, SINGLE
 
 # What a folder of each kind may hold and still be replaced by --overwrite: its own files only.
 _KIND_FILES = {
-    "dcp": (".metadata", "*.distcp", "config.json", "generation_config.json"),
+    "dcp": (".metadata", "*.distcp", "config.json", "generation_config.json", SHARD_PLAN),
     "hf": ("*.safetensors", INDEX, "config.json", "generation_config.json"),
 }
 _KIND_NAMES = {"dcp": "DCP checkpoint folder", "hf": "Hugging Face safetensors folder"}

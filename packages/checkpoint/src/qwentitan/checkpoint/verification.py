@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from qwentitan.checkpoint import dcp_read
-from qwentitan.checkpoint.convert import MEMORY_BUDGET, THREADS, check_hf_tensors
+from qwentitan.checkpoint.convert import THREADS, check_hf_tensors
 from qwentitan.checkpoint.disk import differing_elements
+from qwentitan.checkpoint.hf_export import MEMORY_BUDGET
 from qwentitan.checkpoint.layout import NON_MODEL_PREFIXES, Qwen3Layout, TitanTensor, read_config
 from qwentitan.checkpoint.logits import RELATIVE_TOLERANCE
 from qwentitan.checkpoint.safetensors_io import HFFolder, read_into
