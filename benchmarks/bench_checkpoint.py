@@ -273,7 +273,7 @@ def _report(
 def _describe_machine(root: Path) -> None:
     """Where the numbers come from: cores, memory, load and the file system written to."""
     fs = subprocess.run(
-        ["df", "-T", "--output=fstype,source", str(root)], capture_output=True, text=True
+        ["df", "--output=fstype,source", str(root)], capture_output=True, text=True
     ).stdout.split()[-2:]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     print(
