@@ -7,15 +7,19 @@ folder, then runs, as a user would, in 3 interleaved rounds after one untimed wa
 
 - `python -c "import torch"`: what any converter pays before its first byte, subtracted;
 - `cp -r SRC COPY && sync`: the disk's own speed, the baseline;
+- `dd if=/dev/zero of=FILE bs=1M count=N conv=fdatasync` of the same byte count: the disk's
+  sequential write speed, nothing read, the second baseline;
 - `qwentitan-ckpt to-dcp SRC DCP` and `qwentitan-ckpt to-hf DCP BACK` (each syncs its output
   before renaming it into place, like the `sync` after `cp`).
 
-Prints each round, the medians, each converter's ratio to cp net of the bare torch import
-(cp seconds / (converter seconds - import torch seconds); goal >= 0.8), and each command's peak
+Prints the machine (cores, memory, load, file system), each round, the medians, each
+converter's ratio to cp and to dd net of the bare torch import (cp seconds / (converter seconds
+- import torch seconds); goals: to-hf >= 0.8, to-dcp >= 1.0), and each command's peak
 RSS (the child's own ru_maxrss from wait4; goal <= 1.5 GiB). Ends with `qwentitan-ckpt verify`
 of the source against the DCP and of the export against the DCP (bit for bit).
 
-Run: `uv run nox -s bench -- checkpoint` or `uv run python benchmarks/bench_checkpoint.py`.
+Run: `uv run nox -s bench -- checkpoint [--shapes qwen3-0.6b]` or
+`uv run python benchmarks/bench_checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -133,7 +137,9 @@ def generate(folder: Path, config: dict, shards: int) -> None:
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 151645}))
     shapes = Qwen3Layout.from_config(config, "bench").hf_shapes()
     entries = [(n, torch.bfloat16, s) for n, s in shapes.items()]
-    shard_bytes = -(-sum(nbytes_of(s, d) for _, d, s in entries) // shards)
+    sizes = [nbytes_of(s, d) for _, d, s in entries]
+    # Filled in order, shards of this bound come out `shards` in number, not one more.
+    shard_bytes = -(-sum(sizes) // shards) + max(sizes)
     writer = ShardedWriter(folder, entries, shard_bytes)
     g = torch.Generator().manual_seed(0)
     for name, shape in shapes.items():
