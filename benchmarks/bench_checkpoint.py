@@ -297,7 +297,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-1.7b"], choices=list(SHAPES))
     parser.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds")
     parser.add_argument(
-        "--source-shards", type=int, default=2, help="shards of the generated source (Hub: 2)"
+        "--source-shards",
+        type=int,
+        default=2,
+        help="at most this many shards in the generated source (Hub: 2)",
     )
     parser.add_argument("--workdir", default=tempfile.gettempdir(), help="where the data goes")
     parser.add_argument(

@@ -47,15 +47,15 @@ def no_hang(seconds: int = 60):
         signal.signal(signal.SIGALRM, previous)
 
 
-def refused(capsys, *argv) -> str:
-    """The CLI's answer: exit 2 and one line."""
-    with no_hang():
-        code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qwentitan-ckpt: error: "), err
-    return lines[0]
+@pytest.fixture
+def refused(helpers):
+    """The CLI's answer, exit 2 and one line, within a minute."""
+
+    def run(capsys, *argv) -> str:
+        with no_hang():
+            return helpers.one_line_error(capsys, *argv)
+
+    return run
 
 
 # Names an index may not give a shard: `{out}` is a folder outside the model folder.
@@ -86,7 +86,7 @@ def _point_index_outside(src: Path, tmp_path: Path, name: str) -> None:
 @pytest.mark.parametrize("name", OUTSIDE_NAMES)
 @pytest.mark.parametrize("verb", ["to-dcp", "verify"])
 def test_an_index_naming_a_file_outside_the_folder_is_refused(
-    make_hf, capsys, tmp_path, name, verb
+    refused, make_hf, capsys, tmp_path, name, verb
 ):
     src = make_hf()
     if verb == "verify":
@@ -100,7 +100,9 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(
 
 
 @pytest.mark.parametrize("value", [7, None, ["a.safetensors"], {"f": 1}])
-def test_an_index_naming_a_shard_by_a_non_string_is_refused(make_hf, capsys, tmp_path, value):
+def test_an_index_naming_a_shard_by_a_non_string_is_refused(
+    refused, make_hf, capsys, tmp_path, value
+):
     src = make_hf()
     index = json.loads((src / INDEX).read_text())
     first = sorted(index["weight_map"])[0]
@@ -127,7 +129,7 @@ def test_a_symlinked_shard_as_the_hub_cache_makes_is_read(make_hf, helpers, tmp_
 @pytest.mark.parametrize("name", ["../{file}", "{out}/{file}", "sub/../../{file}"])
 @pytest.mark.parametrize("verb", ["to-hf", "verify"])
 def test_dcp_metadata_naming_a_file_outside_the_folder_is_refused(
-    make_hf, capsys, tmp_path, name, verb
+    refused, make_hf, capsys, tmp_path, name, verb
 ):
     src = make_hf()
     dcp = to_dcp(src, tmp_path / "dcp")
@@ -187,7 +189,7 @@ def _set(folder: Path, key: str, value) -> None:
     ids=lambda v: str(v)[:20],
 )
 def test_config_sizes_beyond_the_folder_are_refused_at_once(
-    make_hf, capsys, tmp_path, moe, key, value, named
+    refused, make_hf, capsys, tmp_path, moe, key, value, named
 ):
     src = make_hf(moe=moe)
     good = to_dcp(src, tmp_path / "dcp")
