@@ -57,25 +57,6 @@ SHAPES = {
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
-    # Qwen3-0.6B's shapes (1.2 GB): the same kinds of tensors, for a loaded machine.
-    "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 1024,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 3072,
-        "tie_word_embeddings": True,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-    },
     "qwen3-30b-a3b-4layers": {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -122,6 +103,9 @@ SHAPES = {
         "torch_dtype": "bfloat16",
     },
 }
+
+# Qwen3-0.6B's shapes (1.2 GB): the same kinds of tensors as 1.7B, for a loaded machine.
+SHAPES["qwen3-0.6b"] = SHAPES["qwen3-1.7b"] | {"hidden_size": 1024, "intermediate_size": 3072}
 
 
 def generate(folder: Path, config: dict, shards: int) -> None:
