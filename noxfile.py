@@ -143,11 +143,16 @@ print("qwentitan.{package} imports alone")
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks, as ratios against a baseline measured in the same run. `-- kernels` picks one."""
+    """Benchmarks, as ratios against a baseline measured in the same run. `-- kernels` picks one;
+    what follows the names goes to the scripts (`-- checkpoint --shapes qwen3-0.6b`)."""
     _sync(session, "--all-packages")
-    for script in sorted(Path("benchmarks").glob("bench_*.py")):
-        if not session.posargs or script.stem.removeprefix("bench_") in session.posargs:
-            session.run("python", str(script))
+    scripts = sorted(Path("benchmarks").glob("bench_*.py"))
+    names = {script.stem.removeprefix("bench_") for script in scripts}
+    picked = [arg for arg in session.posargs if arg in names]
+    options = [arg for arg in session.posargs if arg not in names]
+    for script in scripts:
+        if not picked or script.stem.removeprefix("bench_") in picked:
+            session.run("python", str(script), *options)
 
 
 @nox.session
