@@ -94,6 +94,14 @@ FLAGS = {
             "stop after this step with a checkpoint (resume later)",
         ),
         Flag(
+            "stop_by",
+            ("--stop-by",),
+            "stop at a step boundary with a checkpoint written before TIME: ISO 8601 UTC "
+            "(2026-12-03T18:00:00Z) or a duration from now (+90m, +1h30m); budgets the measured "
+            "save and step times plus a margin; --resume continues",
+            None,
+        ),
+        Flag(
             "run_dir",
             ("--run-dir", "--dump-folder"),
             "run folder for checkpoints, logs and reports (shared by the nodes)",
@@ -153,7 +161,7 @@ LAYOUT = ("tp", "fsdp", "ep", "pp", "dp_replicate", "ac", "global_batch_size")
 SHARED = (
     *("recipe", "instance", "nodes", "ranks_per_node", "lnc"),
     *LAYOUT,
-    *("seq_len", "local_batch_size", "steps", "stop_after"),
+    *("seq_len", "local_batch_size", "steps", "stop_after", "stop_by"),
     *("run_dir", "resume", "checkpoint_interval", "compile_cache"),
     *("dataset", "tokenizer", "validate_every"),
 )
