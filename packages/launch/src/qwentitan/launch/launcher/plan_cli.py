@@ -293,7 +293,12 @@ def describe(plan: LaunchPlan) -> str:
         f"batch         seq len {plan.seq_len} (multiple of {rule['multiple_of']}: "
         f"{'ok' if rule['ok'] else 'NO'}), local {plan.local_batch}, global {plan.global_batch}, "
         f"{plan.steps} steps, activation checkpointing {plan.activation_checkpoint}",
-        f"run folder    {plan.run_folder} (resume: {plan.resume})",
+        f"run folder    {plan.run_folder} (resume: {plan.resume})"
+        + (
+            f", checkpoints in {plan.checkpoint_folder}"
+            if "://" in str(plan.checkpoint_folder)
+            else ""
+        ),
         *(
             [f"compile       torch.compile, backend {plan.config.compile.backend}"]
             if plan.config.compile.enable

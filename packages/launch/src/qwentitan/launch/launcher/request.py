@@ -130,6 +130,12 @@ class RunRequest:
             value = getattr(self, name)
             if name == "tokenizer" and value is not None:
                 value = Path(value).resolve()  # read by every rank, from its own directory
+            if name == "run_dir" and value is not None and "://" in value:
+                # On S3: checkpoints at the URL, the rest in a local folder (launcher.remote).
+                from qwentitan.launch.launcher.remote import local_folder
+
+                words += ["--checkpoint.folder", f"{value.rstrip('/')}/checkpoint"]
+                value = local_folder(value)
             if value is not None:
                 words += [word for flag in flags for word in (flag, str(value))]
         words += self.overrides

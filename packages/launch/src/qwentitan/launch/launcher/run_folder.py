@@ -164,6 +164,10 @@ def check_checkpoints(plan: LaunchPlan, *, folder_given: bool = True) -> int | N
     folder = plan.checkpoint_folder
     if not plan.config.checkpoint.enable:
         return None
+    if "://" in str(folder):
+        from qwentitan.launch.launcher.remote import require_backend
+
+        require_backend(str(folder))
     steps = saved_steps(folder)
     if plan.resume == "fresh" and steps:
         raise LaunchError(
@@ -246,6 +250,13 @@ def check_free_disk(plan: LaunchPlan) -> None:
     saves) do not fit on the disk of its run folder, before step 1."""
     from qwentitan.checkpoint.files import disk_room  # its package imports torch, for now
 
+    if "://" in str(plan.checkpoint_folder):
+        print(
+            f"qwentitan-launch: note: no free-space check for {plan.checkpoint_folder}: an "
+            "object store has no disk to fill.",
+            flush=True,
+        )
+        return
     room = disk_room(plan.checkpoint_folder, planned_checkpoint_bytes(plan))
     if not room.enough:
         raise LaunchError(

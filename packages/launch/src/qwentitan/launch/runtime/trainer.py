@@ -14,6 +14,7 @@ it quiets the console lines a user cannot act on (`console.quiet_console`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
 from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
 from qwentitan.kernels import KernelChoices
@@ -107,23 +109,26 @@ def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
     return switched
 
 
-def save_failure(step_folder: Path, error: BaseException) -> str:
-    """One sentence for a failed save of `step_folder` (call before removing the folder)."""
+def save_failure(step_folder: Path | str, error: BaseException) -> str:
+    """One sentence for a failed save of `step_folder` (call before removing the folder; a URL
+    on S3 has no disk to be full)."""
     causes = [error]
     if isinstance(error, CheckpointException):
         causes = [failure for failure, _trace in error.failures.values()] or causes
     cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
-    free = shutil.disk_usage(_existing(step_folder)).free
+    remote = filesystem.is_remote(step_folder)
+    free = None if remote else shutil.disk_usage(_existing(Path(step_folder))).free
+    parent = str(step_folder).rsplit("/", 1)[0] if remote else Path(step_folder).parent
     if isinstance(cause, OSError) and cause.strerror:
         reason = cause.strerror
-    elif free < FULL_DISK_BYTES:
+    elif free is not None and free < FULL_DISK_BYTES:
         # torch.save's zip writer turns a short write (ENOSPC) into "unexpected pos" errors.
         reason = f"the disk is full, {free} bytes left"
     else:
         reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     return (
         f"Saving the checkpoint {step_folder} failed ({reason}); its partial folder was removed, "
-        f"so --resume continues from the previous checkpoint: free space in {step_folder.parent} "
+        f"so --resume continues from the previous checkpoint: free space in {parent} "
         "or choose another run folder, then resume."
     )
 
@@ -144,10 +149,10 @@ def checked_loads(dcp_load: Callable[..., Any]) -> Callable[..., Any]:
 
     def checked(state_dict: Any, checkpoint_id: str, from_hf: bool, *args: Any, **kwargs: Any):
         if not from_hf:  # an HF folder is safetensors, which hold no code
-            from qwentitan.checkpoint import CheckpointError, SafeFileSystemReader
+            from qwentitan.checkpoint import CheckpointError, safe_reader_for
 
             try:
-                SafeFileSystemReader(checkpoint_id).read_metadata()
+                safe_reader_for(checkpoint_id).read_metadata()  # local, or remote (s3://) by fsspec
             except CheckpointError as error:
                 logger.error(f"Not loading the checkpoint {checkpoint_id}: {error}")
                 raise SystemExit(2) from None  # a fault of the input, said in one sentence
@@ -164,11 +169,12 @@ def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., A
         try:
             return save(step, *args, **kwargs)
         except (Exception, CheckpointException) as error:
-            step_folder = Path(folder) / f"step-{step}"
+            step_folder = filesystem.join(str(folder), f"step-{step}")  # a path, or a URL
             # DCP raises on every rank after all of them stopped writing; one removes the folder.
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 message = save_failure(step_folder, error)
-                shutil.rmtree(step_folder, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    filesystem.rmtree(step_folder)
                 logger.error(message)
             raise SystemExit(SAVE_FAILED_EXIT) from None
 
