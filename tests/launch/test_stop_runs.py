@@ -68,6 +68,7 @@ def test_resume_continues_until_a_spot_notice_stops_it_within_30_s(
     run_dir, code, *_ = deadline_run
     assert code == 0
     stopped_at = saved_steps(run_dir / "checkpoint")[-1]
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED", raising=False)
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", metadata_service.url)
     # MLflow on but unreachable: the run's spool holds the tags it would have sent.
     monkeypatch.setenv("QWENTITAN_MLFLOW", "on")

@@ -152,9 +152,9 @@ class LaunchPlan:
     @property
     def checkpoint_folder(self) -> Path:
         folder = self.config.checkpoint.folder
-        if "://" in folder:  # on S3 (`--run-dir s3://...`): torchtitan's join keeps a URL whole
-            from qwentitan.launch.launcher.remote import RemotePath
+        from qwentitan.launch.launcher.remote import RemotePath, is_remote
 
+        if is_remote(folder):  # on S3 (`--run-dir s3://...`): torchtitan's join keeps a URL whole
             return RemotePath(folder)  # type: ignore[return-value]  # the Path methods used
         return self.run_folder / folder
 

@@ -22,6 +22,7 @@ from qwentitan.launch.launcher.plan import (
     LaunchPlan,
     resolve_plan,
 )
+from qwentitan.launch.launcher.remote import is_remote
 from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, RunRequest
 from qwentitan.launch.recipes import recipe_names
 
@@ -296,7 +297,7 @@ def describe(plan: LaunchPlan) -> str:
         f"run folder    {plan.run_folder} (resume: {plan.resume})"
         + (
             f", checkpoints in {plan.checkpoint_folder}"
-            if "://" in str(plan.checkpoint_folder)
+            if is_remote(plan.checkpoint_folder)
             else ""
         ),
         *(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from qwentitan.launch.base.deadline import format_utc, parse_stop_by
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher.remote import is_remote, local_folder
 
 __all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest"]
 
@@ -130,9 +131,8 @@ class RunRequest:
             value = getattr(self, name)
             if name == "tokenizer" and value is not None:
                 value = Path(value).resolve()  # read by every rank, from its own directory
-            if name == "run_dir" and value is not None and "://" in value:
+            if name == "run_dir" and value is not None and is_remote(value):
                 # On S3: checkpoints at the URL, the rest in a local folder (launcher.remote).
-                from qwentitan.launch.launcher.remote import local_folder
 
                 words += ["--checkpoint.folder", f"{value.rstrip('/')}/checkpoint"]
                 value = local_folder(value)
