@@ -95,6 +95,12 @@ class TestStopClock:
         assert clock.step_s == 1.0 and not clock.due(now=1080.0)
         assert clock.due(now=1088.0)  # 1 + 2 + 10 >= 12 left
 
+    def test_while_the_first_step_runs_its_time_so_far_counts(self):
+        clock = self.clock(left=100.0)
+        clock.boundary(now=1000.0)  # training starts; validation of step 1 asks at 1060
+        assert not clock.due(now=1020.0)  # 20 s so far: 1020 + 20 + 2 + 10 < 1100
+        assert clock.due(now=1045.0)  # 45 s so far: 1045 + 45 + 2 + 10 >= 1100
+
     def test_a_timed_save_replaces_the_estimate_and_leaves_the_step_time(self):
         clock = self.clock(left=100.0, save_s=50.0)
         clock.boundary(now=1000.0)

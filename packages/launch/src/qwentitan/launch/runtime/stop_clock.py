@@ -7,7 +7,8 @@ of this step, the same exit as a signal). The figures are measured where they ca
 - a save: the last one this process timed (`saved`); before the first, the rank's own state
   bytes (its shards of the weights and the optimizer's moments) over `ASSUMED_WRITE_BYTES_PER_S`;
 - a step: the slowest of the last few boundary-to-boundary intervals (validation included, a
-  save taken out); before the first, the first step's (compilation included), the worst case;
+  save taken out); until a second, the first step's (compilation included), the worst case,
+  and while the first runs, the time since training started;
 - `MARGIN_S`: the process exit after the save, and a clock drift between nodes.
 """
 
@@ -74,7 +75,10 @@ class StopClock:
     def due(self, now: float | None = None) -> bool:
         """True when one more step and a save would not end `margin_s` before the deadline."""
         now = time.time() if now is None else now
-        return now + (self.step_s or 0.0) + self.save_s + self.margin_s >= self.deadline
+        step = self.step_s
+        if step is None:  # before a step was measured: the one running since the last boundary
+            step = now - self._last_boundary if self._last_boundary is not None else 0.0
+        return now + step + self.save_s + self.margin_s >= self.deadline
 
     def figures(self, now: float | None = None) -> dict[str, float | bool | str]:
         """The budget as the stop report and the log say it."""

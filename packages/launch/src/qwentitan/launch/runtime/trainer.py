@@ -323,10 +323,11 @@ class Trainer(torchtitan_trainer.Trainer):
         logger.warning(f"Spot interruption notice ({describe_notice(text)}): saving and stopping.")
 
     def _unless_stopping(self, validate: Callable[..., Any]) -> Callable[..., Any]:
-        """`validate` skipped when a stop signal is pending on any rank, so the checkpoint at
-        the step boundary right after it comes first (on a spot or SLURM grace period)."""
+        """`validate` skipped when a stop is pending on any rank (a signal, a spot notice, the
+        `--stop-by` budget), so the checkpoint at the step boundary right after it comes first."""
 
         def guarded(model_parts: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+            self._check_clock()  # a validation that would cross --stop-by's budget is skipped
             if self.preemption.stop_requested(self.device) is None:
                 return validate(model_parts, step, *args, **kwargs)
             logger.info(f"Validation of step {step} skipped: a stop signal is pending.")
@@ -359,9 +360,13 @@ class Trainer(torchtitan_trainer.Trainer):
         stop_after = self.config.stop_after
         if stop_after is not None and self.step >= stop_after:
             return f"--stop-after {stop_after} reached"
+        self._check_clock()
+        return self.preemption.stop_requested(self.device)
+
+    def _check_clock(self) -> None:
+        """Ask for a stop when one more step and a save no longer fit before `--stop-by`."""
         if self.clock is not None and self.clock.due():
             self.preemption.request(DEADLINE)
-        return self.preemption.stop_requested(self.device)
 
     def at_step_boundary(self) -> bool:
         """Run between two steps (after checkpoint and validation); False ends training."""
