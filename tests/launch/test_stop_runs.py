@@ -44,9 +44,22 @@ def deadline_run(train_in_process, tmp_path_factory):
     return run_dir, code, log, time.time(), deadline.timestamp()
 
 
+def _training_started(log: str) -> float:
+    """When the rank logged "Training starts" (torchtitan's log time, this host's clock)."""
+    stamp = re.search(r"\[titan\] (\S+ \S+) - root - INFO - Training starts", log).group(1)
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").astimezone().timestamp()
+
+
 def test_stop_by_ends_the_run_in_time_with_a_checkpoint(deadline_run):
+    from qwentitan.launch.runtime.stop_clock import MARGIN_S
+
     run_dir, code, log, ended, deadline = deadline_run
     assert code == 0, log[-3000:]
+    started = _training_started(log)
+    if started > deadline - MARGIN_S:
+        # No step can stop before a deadline the start-up has already eaten (a host loaded
+        # many times over its cores): what is tested here did not happen.
+        pytest.skip(f"training started {deadline - started:.0f} s before the deadline")
     assert ended <= deadline, f"ended {ended - deadline:.1f} s after the deadline"
     saved = saved_steps(run_dir / "checkpoint")
     assert saved and saved[-1] == _steps(log)[-1] < 2000
