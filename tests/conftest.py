@@ -56,6 +56,9 @@ def hermetic_environment(tmp_path_factory: pytest.TempPathFactory):
         patch.setenv("QWENTITAN_CACHE", str(root / "cache"))
         patch.setenv("QWENTITAN_MLFLOW", "off")
         patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        # No rank polls a real instance metadata service for spot notices (runtime.spot); the
+        # tests of the watcher point it at a loopback stand-in.
+        patch.setenv("AWS_EC2_METADATA_DISABLED", "true")
         # Libraries' own caches and settings (Hugging Face, Chromium's profile helpers).
         patch.setenv("HF_HOME", str(root / "huggingface"))
         patch.setenv("XDG_CACHE_HOME", str(root / "xdg-cache"))
