@@ -54,7 +54,8 @@ def _uv_run(session: nox.Session, *command: str, **kwargs: object) -> str | bool
     digest = hashlib.sha256((Path(__file__).parent / "uv.lock").read_bytes()).hexdigest()
     if not (stamp.is_file() and stamp.read_text() == digest):
         session.run("uv", "sync", "--locked", "--inexact", env=_COMPILE, external=True)
-        stamp.write_text(digest)
+        if _COMPILE["UV_COMPILE_BYTECODE"] not in ("0", "false"):
+            stamp.write_text(digest)
     return session.run("uv", "run", "--locked", *command, external=True, **kwargs)
 
 
