@@ -10,6 +10,7 @@ platform's peak, with no MFU at all where no peak is known (CPU).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from torchtitan.distributed import ParallelDims
 
 from qwentitan.launch.base.target import NEURON_TARGET, get_target
 from qwentitan.launch.tracking.logger import (
+    FIRST_STEP,
     SUMMARY,
     MLflowLogger,
     attach_report,
@@ -172,6 +174,9 @@ class SummaryLogger(BaseLogger):
             self.summary.observe(step, step_values(metrics, self.world_size))
 
     def close(self) -> None:
+        seconds = self._first_step_seconds()
+        if seconds is not None:
+            self.summary.warmup_time_s = seconds
         figures = {key.removeprefix("summary/"): v for key, v in self.summary.metrics().items()}
         mlflow = None
         if self.mlflow is not None:
@@ -180,6 +185,7 @@ class SummaryLogger(BaseLogger):
             "first_step": self.summary.first_step,
             "last_step": self.summary.last_step,
             "last_validation_step": self.summary.last_validation_step,
+            "ranks": self.world_size,
             **figures,
             "run_dir": str(self.run_dir),
             "mlflow": mlflow,
@@ -196,3 +202,17 @@ class SummaryLogger(BaseLogger):
                 error.strerror or error,
                 " and the MLflow run" if self.mlflow is not None else "",
             )
+
+    def _first_step_seconds(self) -> float | None:
+        """The first step's own time, as the rank's console said it (`Trainer.train_step` left
+        it in RUN_DIR/reports/first_step.json): the one warm-up figure. torchtitan's step-1
+        end-to-end time also counts the set-up before the step. None where no such report of
+        this run's first step is here (another node's rank 0 wrote it)."""
+        path = self.run_dir / REPORTS_FOLDER / f"{FIRST_STEP}.json"
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if report.get("step") != self.summary.first_step:
+            return None
+        return report.get("seconds")
