@@ -24,7 +24,6 @@ _NOISE = (
     "Peak FLOPS used for computing MFU",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "model.safetensors.index.json not found",
-    "0.0.0 means",
     "Creating initial MLflow database tables",
     "Sleeping 2 seconds",
     "Destroying the purge thread",
@@ -59,8 +58,8 @@ def test_block_names_every_figure_and_how_to_open_the_mlflow_run():
     assert rows["loss"] == "11.9477 -> 9.5000 (step 1 -> 3)"
     assert rows["validation loss"] == "9.7500 (step 2)"
     assert rows["tokens/s"] == (
-        "1234 in total, sustained (617 per rank (a step line's tps) x 2 ranks; "
-        "median of the steps after the first)"
+        "1234 in total = 617 per rank x 2 (a step line's tps is per rank); sustained: the "
+        "median of the steps after the first"
     )
     assert rows["warm-up"].startswith("7.1 s")
     assert rows["checkpoints"] == "/runs/a/checkpoint"
@@ -201,10 +200,8 @@ def test_train_ends_with_the_summary_and_without_the_noise(
     assert rows["loss"] == f"{losses[1]:.4f} -> {losses[3]:.4f} (step 1 -> 3)"
     last_validated = max(validation)
     assert rows["validation loss"] == f"{validation[last_validated]:.4f} (step {last_validated})"
-    total, per_rank = re.match(
-        r"(\d+) in total, sustained \((\d+) per rank", rows["tokens/s"]
-    ).groups()
-    assert int(total) == int(per_rank) > 0 and "x 1 ranks" in rows["tokens/s"]  # one rank
+    split = re.match(r"(\d+) in total = (\d+) per rank x (\d+) ", rows["tokens/s"])
+    assert split and int(split[1]) == int(split[2]) > 0 and split[3] == "1"  # one rank
     assert rows["warm-up"].startswith(f"{first_step} s")  # one figure: the rank's own line
     assert "qwentitan-launch train: starting the ranks" in launcher
     assert rows["checkpoints"] == str((run_dir / "checkpoint").resolve())

@@ -32,8 +32,6 @@ NOISE: dict[str, str] = {
     # components/metrics.py ensure_pp_loss_visible asks for the last stage's rank in LOG_RANK
     # (its run_train.sh); the launcher's torchrun line shows that rank (plan_rules.console_rank).
     "Pipeline Parallel loss is not visible": "the console shows the last stage's rank",
-    # trainer.py: its version check; a wheel install says 0.3.0 and the explanation is moot.
-    "torchtitan version:": "the versions are in preflight and the MLflow run",
     # distributed/utils.py init_distributed: it sets NCCL's variable on every backend, gloo
     # included, and says so; nothing to act on.
     "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]": "torchtitan sets it itself, NCCL or not",

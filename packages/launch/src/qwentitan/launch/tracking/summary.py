@@ -204,11 +204,9 @@ def _tokens_per_second(report: Mapping[str, Any]) -> str:
     total = report.get("sustained_tokens_per_second")
     if not total:
         return "n/a (no step after the first)"
-    per_rank = report.get("sustained_tokens_per_second_per_device")
-    ranks = report.get("ranks")
-    each = (
-        f"{per_rank:.0f} per rank (a step line's tps) x {ranks} ranks; "
-        if per_rank and ranks
-        else ""
+    per_rank, ranks = report.get("sustained_tokens_per_second_per_device"), report.get("ranks")
+    split = f" = {per_rank:.0f} per rank x {ranks} (a step line's tps is per rank)"
+    return (
+        f"{total:.0f} in total{split if per_rank and ranks else ''}; sustained: the median of "
+        "the steps after the first"
     )
-    return f"{total:.0f} in total, sustained ({each}median of the steps after the first)"
