@@ -168,15 +168,15 @@ class SummaryLogger(BaseLogger):
         self.mlflow = mlflow
         # With MLflow on, its logger already observes every step: one summary, read here.
         self.summary = mlflow.summary if mlflow is not None else RunSummary()
+        self._first_step_read = False
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.mlflow is None:
             self.summary.observe(step, step_values(metrics, self.world_size))
+        self._adopt_first_step()
 
     def close(self) -> None:
-        seconds = self._first_step_seconds()
-        if seconds is not None:
-            self.summary.warmup_time_s = seconds
+        self._adopt_first_step()
         figures = {key.removeprefix("summary/"): v for key, v in self.summary.metrics().items()}
         mlflow = None
         if self.mlflow is not None:
@@ -203,16 +203,19 @@ class SummaryLogger(BaseLogger):
                 " and the MLflow run" if self.mlflow is not None else "",
             )
 
-    def _first_step_seconds(self) -> float | None:
-        """The first step's own time, as the rank's console said it (`Trainer.train_step` left
-        it in RUN_DIR/reports/first_step.json): the one warm-up figure. torchtitan's step-1
-        end-to-end time also counts the set-up before the step. None where no such report of
-        this run's first step is here (another node's rank 0 wrote it)."""
+    def _adopt_first_step(self) -> None:
+        """The warm-up as the rank's console said it, the one figure: the first step's own
+        time, which `Trainer.train_step` leaves in RUN_DIR/reports/first_step.json after the
+        step's metrics are logged (so MLflow's summary, logged at close, gets it too).
+        torchtitan's step-1 end-to-end time also counts the set-up before the step. Kept where
+        no report of this run's first step is here (another node's rank 0 wrote it)."""
+        if self._first_step_read or self.summary.first_step is None:
+            return
         path = self.run_dir / REPORTS_FOLDER / f"{FIRST_STEP}.json"
         try:
             report = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return None
-        if report.get("step") != self.summary.first_step:
-            return None
-        return report.get("seconds")
+            return
+        if report.get("step") == self.summary.first_step and report.get("seconds") is not None:
+            self.summary.warmup_time_s = report["seconds"]
+            self._first_step_read = True
