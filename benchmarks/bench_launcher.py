@@ -26,7 +26,9 @@ import psutil
 
 ROUNDS = 3
 RUN = ["--recipe", "tiny_dense", "--ranks", "1", "--steps", "2"]
-STEP_1 = re.compile(r"\bstep:\s+1\b")
+# The rank's step-1 line, coloured or not (torchtitan writes `\x1b[31mstep:  1  ...`).
+STEP_1 = re.compile(r"(?<!validate )step:\s+1\s")
+COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _measure(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
@@ -41,12 +43,15 @@ def _measure(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     def read() -> None:
         for line in process.stdout:
             seen.append(line)
-            if not first_step.is_set() and STEP_1.search(line):
+            if not first_step.is_set() and STEP_1.search(COLOUR.sub("", line)):
                 first_step.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    first_step.wait()
+    while not first_step.wait(0.05):
+        if process.poll() is not None:
+            reader.join()
+            raise SystemExit(f"{argv[:3]} printed no step-1 line:\n{''.join(seen[-20:])}")
     to_step_1 = time.perf_counter() - start
     peak = 0
     watched = psutil.Process(process.pid)
