@@ -28,6 +28,8 @@ def in_child(function: Callable[..., T], *args: Any) -> T:
     """
     if "torch" in sys.modules or not hasattr(os, "fork"):
         return function(*args)
+    sys.stdout.flush()  # else the child would print this process's buffered lines again
+    sys.stderr.flush()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
