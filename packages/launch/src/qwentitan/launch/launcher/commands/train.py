@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags
 from qwentitan.launch.launcher.request import RunRequest
@@ -65,8 +64,6 @@ def run(args: argparse.Namespace) -> int:
     prepared = in_child(_prepare, args)
     for line in prepared.said:
         print(line, flush=True)
-    # A rank's stdout is torchrun's pipe: whether to colour is this process's call.
-    env = {**prepared.env, env_defaults.COLOUR: "1" if env_defaults.colour() else "0"}
     print(
         "qwentitan-launch train: starting the ranks; each loads torch and torchtitan and builds "
         "the model before its first line.",
@@ -74,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     )
     started = time.time()
     with hold_run_folder(Path(prepared.run_dir)):
-        code = preemption.supervise(prepared.argv, env)
+        code = preemption.supervise(prepared.argv, prepared.env)
     summary = _summary_block(Path(prepared.summary), prepared.checkpoints, started)
     if summary is not None:
         print(summary, flush=True)
