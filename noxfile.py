@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import runpy
 import sys
@@ -21,16 +22,41 @@ NEURON_SDK = runpy.run_path(
 
 
 def _sync(session: nox.Session, *args: str) -> None:
-    """Install exactly what uv.lock says into this session's environment."""
+    """Install exactly what uv.lock says into this session's own environment, compiled."""
     session.run_install(
         "uv",
         "sync",
         "--locked",
         "--no-default-groups",
         *args,
-        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location, **_COMPILE},
         external=True,
     )
+
+
+# Bytecode is compiled when a session installs, not in pyproject.toml: there uv would recompile
+# the whole environment on every `uv run` (astral-sh/uv#12202). Where PYTHONDONTWRITEBYTECODE=1
+# (CI, many containers) nothing else would ever cache it. UV_COMPILE_BYTECODE=0 turns it off.
+_COMPILE = {"UV_COMPILE_BYTECODE": os.environ.get("UV_COMPILE_BYTECODE", "1")}
+# The workspace's one environment: what `uv run` syncs (the root project depends on the four
+# packages), shared by every session that needs them, so `uv run qwentitan-launch` works after.
+SHARED = {"venv_backend": "none"}
+
+
+def _shared_env() -> Path:
+    return Path(os.environ.get("UV_PROJECT_ENVIRONMENT", Path(__file__).parent / ".venv"))
+
+
+def _uv_run(session: nox.Session, *command: str, **kwargs: object) -> str | bool | None:
+    """`command` in the workspace's environment (`uv run --locked`), synced and byte-compiled
+    once per uv.lock (a stamp in the environment remembers which)."""
+    stamp = _shared_env() / ".qwentitan-compiled"
+    digest = hashlib.sha256((Path(__file__).parent / "uv.lock").read_bytes()).hexdigest()
+    if not (stamp.is_file() and stamp.read_text() == digest):
+        session.run("uv", "sync", "--locked", "--inexact", env=_COMPILE, external=True)
+        if _COMPILE["UV_COMPILE_BYTECODE"] not in ("0", "false"):
+            stamp.write_text(digest)
+    return session.run("uv", "run", "--locked", *command, external=True, **kwargs)
 
 
 def _interpreter(version: str) -> str:
@@ -69,6 +95,10 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 PARALLEL = ("-n", "2", "--dist", "loadgroup")
 
 
+def _pytest_shared(session: nox.Session, *paths: str) -> None:
+    _uv_run(session, "python", "-m", "pytest", *paths, *PARALLEL, *session.posargs)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
@@ -77,11 +107,10 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session
+@nox.session(**SHARED)
 def tests(session: nox.Session) -> None:
-    """The whole test suite in one environment holding every package."""
-    _sync(session, "--all-packages", "--group", "test")
-    _pytest(session, "tests")
+    """The whole test suite in the workspace's environment, which holds every package."""
+    _pytest_shared(session, "tests")
 
 
 @nox.session(name=f"tests-{TRN2_PYTHON}", python=_interpreter(TRN2_PYTHON))
@@ -115,11 +144,10 @@ def isolation(session: nox.Session, package: str) -> None:
     _pytest(session, f"tests/{package}")
 
 
-@nox.session
+@nox.session(**SHARED)
 def integration(session: nox.Session) -> None:
-    """Tests that cross packages (tests/integration), in the full workspace environment."""
-    _sync(session, "--all-packages", "--group", "test")
-    _pytest(session, "tests/integration")
+    """Tests that cross packages (tests/integration), in the workspace's environment."""
+    _pytest_shared(session, "tests/integration")
 
 
 # `qwentitan` must stay a namespace (no __init__.py) so the four wheels can share it, and a
@@ -141,31 +169,29 @@ print("qwentitan.{package} imports alone")
 """.replace("{packages!r}", repr(PACKAGES))
 
 
-@nox.session
+@nox.session(**SHARED)
 def bench(session: nox.Session) -> None:
     """Benchmarks, as ratios against a baseline measured in the same run. `-- kernels` picks one;
     what follows the names goes to the scripts (`-- checkpoint --shapes qwen3-0.6b`)."""
-    _sync(session, "--all-packages")
     scripts = sorted(Path("benchmarks").glob("bench_*.py"))
     names = {script.stem.removeprefix("bench_") for script in scripts}
     picked = [arg for arg in session.posargs if arg in names]
     options = [arg for arg in session.posargs if arg not in names]
     for script in scripts:
         if not picked or script.stem.removeprefix("bench_") in picked:
-            session.run("python", str(script), *options)
+            _uv_run(session, "python", str(script), *options)
 
 
-@nox.session
+@nox.session(**SHARED)
 def train(session: nox.Session) -> None:
     """The main job: a tiny Qwen3 trained here with torchtitan, no download (`qwentitan-launch train`).
 
     Arguments after `--` go to the command: `--recipe tiny_moe`, `--steps 80 --resume`, `--ranks 1`.
     """
-    _sync(session, "--all-packages")
-    session.run("qwentitan-launch", "train", *session.posargs)
+    _uv_run(session, "qwentitan-launch", "train", *session.posargs)
 
 
-@nox.session
+@nox.session(**SHARED)
 def pilot(session: nox.Session) -> None:
     """hf vs native and native-moe vs moe-kernels, each pair from one seeded checkpoint, as child
     runs of one MLflow parent; fails when a pair's loss curves differ beyond their limit.
@@ -173,24 +199,23 @@ def pilot(session: nox.Session) -> None:
     Logs to ./mlflow.db (or $MLFLOW_TRACKING_URI); `-- --steps 20 --ranks 2` sets the size,
     `-- --help` lists the rest. Then `uv run nox -s mlflow_ui` and open the URLs it printed.
     """
-    _sync(session, "--all-packages")
-    session.run("qwentitan-launch", "pilot", *session.posargs)
+    _uv_run(session, "qwentitan-launch", "pilot", *session.posargs)
 
 
-@nox.session
+@nox.session(**SHARED)
 def mlflow_ui(session: nox.Session) -> None:
     """Serve the MLflow UI on the local store (./mlflow.db) at http://127.0.0.1:5000."""
-    _sync(session, "--all-packages")
     # The store training logs to, as qwentitan.launch's one reader of the environment says.
     where = "from qwentitan.launch.base.env_defaults import tracking_uri; print(tracking_uri())"
-    store = session.run("python", "-c", where, silent=True).strip()
-    session.run(
+    store = _uv_run(session, "python", "-c", where, silent=True).strip()
+    _uv_run(
+        session,
         "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1", "--port", "5000",
         *session.posargs,
     )  # fmt: skip
 
 
-@nox.session
+@nox.session(**SHARED)
 def train_trn2(session: nox.Session) -> None:
     """A trn2.48xlarge recipe: `-- --recipe qwen3_4b_hf|qwen3_4b_native|qwen3_moe_kernels [--dry-run]`.
 
@@ -221,14 +246,13 @@ def train_trn2(session: nox.Session) -> None:
     if venv is None and ("--install-only" in args or env or stand_in or shadow):
         session.error("--install-only, --env, --stand-in and --shadow need --neuron-venv V.")
     if venv is None:
-        _sync(session, "--all-packages")
-        session.run("qwentitan-launch", "run", *args)
+        _uv_run(session, "qwentitan-launch", "run", *args)
         return
     env = str(Path(env or TRN2_ENV).absolute())
     session.run(
         sys.executable, "scripts/neuron_venv.py", "--venv", venv, "--env", env,
         *(["--stand-in"] * stand_in), *[a for n in shadow for a in ("--shadow", n)],
-        external=True,
+        env=_COMPILE, external=True,
     )  # fmt: skip
     if "--install-only" in args:
         return

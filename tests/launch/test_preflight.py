@@ -191,3 +191,43 @@ def test_a_warning_is_reported_but_does_not_fail_preflight():
     assert report.passed and report.warned == ["compile_cache"]
     assert report.render().splitlines()[-1] == "preflight PASSED (1 warned: compile_cache)"
     assert report.to_dict()["warned"] == ["compile_cache"]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "weights_dir", "skipped"),
+    [
+        ("tiny_dense", None, True),  # random init: the tokenizer's folder holds no weights
+        ("tiny_moe", None, True),
+        ("qwen3_4b_native", None, True),  # its Hub folder is read for the tokenizer only
+        ("qwen3_4b_hf", None, False),  # starts from the Hub weights
+        ("tiny_dense", "some/folder", False),  # --weights asks for the folder's check
+    ],
+)
+def test_weights_checks_are_skipped_with_the_reason_where_the_plan_loads_no_weights(
+    recipe, weights_dir, skipped, monkeypatch
+):
+    from qwentitan.launch.launcher.preflight import run as preflight_run
+    from qwentitan.launch.launcher.preflight import weights
+
+    here = {"instance": "cpu", "ranks_per_node": 1} if recipe.startswith("tiny") else {}
+    plan = resolve_plan(RunRequest(recipe=recipe, **here))
+    checked = []
+    # Only the weights checks run for real here; every other check passes at once.
+    passing = lambda *a, **k: CheckResult("other", "pass", "ok")  # noqa: E731
+    for module in ("checks", "neuron_stack", "efa", "dataset", "init_ops"):
+        for name in dir(getattr(preflight_run, module)):
+            if name.startswith("check_"):
+                monkeypatch.setattr(getattr(preflight_run, module), name, passing)
+    for name in preflight_run.WEIGHT_CHECKS:
+        fn = f"check_{name}"
+        monkeypatch.setattr(
+            weights, fn, lambda *a, _n=name, **k: checked.append(_n) or CheckResult(_n, "pass", "")
+        )
+    report = preflight_run.run_preflight(plan, weights_dir=weights_dir)
+    if skipped:
+        assert report.passed and checked == []
+        for name in preflight_run.WEIGHT_CHECKS:
+            assert report.get(name).status == "skip"
+            assert report.get(name).detail.startswith("the recipe starts from random weights")
+    else:
+        assert checked == list(preflight_run.WEIGHT_CHECKS)

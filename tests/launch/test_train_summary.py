@@ -14,15 +14,20 @@ from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.tracking.processor import SummaryLogger
 from qwentitan.launch.tracking.summary import RunSummary, format_summary
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(r"(?<!validate )\bstep:\s+(\d+)\s+loss:\s+([0-9.]+)")
 _VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([0-9.]+)")
-# The lines issue 17 names, as torch and torchtitan 0.3.0 print them.
+# The lines issues 17 and 33 name, as torch, torchtitan 0.3.0 and MLflow print them.
 _NOISE = (
     "Peak flops undefined",
     "Error running lspci",
     "initial_load_model_only=True has no effect",
     "Peak FLOPS used for computing MFU",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "model.safetensors.index.json not found",
+    "Creating initial MLflow database tables",
+    "Sleeping 2 seconds",
+    "Destroying the purge thread",
+    "\x1b[",  # colour: the log is a file, not a terminal
 )
 
 _REPORT = {
@@ -34,6 +39,8 @@ _REPORT = {
     "last_validation_step": 2,
     "warmup_time_s": 7.14,
     "sustained_tokens_per_second": 1234.4,
+    "sustained_tokens_per_second_per_device": 617.2,
+    "ranks": 2,
     "run_dir": "/runs/a",
 }
 
@@ -50,7 +57,10 @@ def test_block_names_every_figure_and_how_to_open_the_mlflow_run():
     rows = _rows(block)
     assert rows["loss"] == "11.9477 -> 9.5000 (step 1 -> 3)"
     assert rows["validation loss"] == "9.7500 (step 2)"
-    assert rows["tokens/s"].startswith("1234 sustained")
+    assert rows["tokens/s"] == (
+        "1234 in total = 617 per rank x 2 (a step line's tps is per rank); sustained: the "
+        "median of the steps after the first"
+    )
     assert rows["warm-up"].startswith("7.1 s")
     assert rows["checkpoints"] == "/runs/a/checkpoint"
     assert rows["MLflow run"] == "abc123 in sqlite:///runs/mlflow.db"
@@ -97,6 +107,19 @@ def test_summary_logger_writes_the_report_with_mlflow_off(tmp_path):
     assert report["mlflow"] is None
 
 
+def test_the_summary_warm_up_is_the_first_step_time_the_rank_said(tmp_path):
+    """One warm-up figure: the rank's "First step 1: N s" (reports/first_step.json), not
+    torchtitan's step-1 end-to-end time, which also counts the set-up before the step."""
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "first_step.json").write_text('{"step": 1, "seconds": 0.7}')
+    logger = SummaryLogger(tmp_path, world_size=1, mlflow=None)
+    for step in (1, 2):
+        logger.log({"loss_metrics/global_avg_loss": 1.0, "time_metrics/end_to_end(s)": 9.0}, step)
+    logger.close()
+    report = json.loads((tmp_path / "reports" / "summary.json").read_text())
+    assert report["warmup_time_s"] == 0.7 and report["ranks"] == 1
+
+
 def test_summary_logger_says_in_one_line_when_the_run_folder_refuses_the_report(tmp_path, caplog):
     (tmp_path / "reports").write_text("a file where the folder should be")
     logger = SummaryLogger(tmp_path, world_size=1, mlflow=None)
@@ -121,6 +144,7 @@ def test_quiet_console_drops_the_noise_and_nothing_else(caplog):
         warnings.simplefilter("always")
         quiet_console()
         warnings.warn("'set_vital' is deprecated", stacklevel=1)
+        warnings.warn("In CPU autocast, but the target dtype is not supported.", stacklevel=1)
         # true on a CPU mesh, and said: qwentitan's initial weights do not rely on it
         warnings.warn("DTensor random operators may not have complete support on cpu", stacklevel=1)
         warnings.warn("something a user should see", stacklevel=1)
@@ -128,6 +152,26 @@ def test_quiet_console_drops_the_noise_and_nothing_else(caplog):
         "DTensor random operators may not have complete support on cpu",
         "something a user should see",
     ]
+
+
+@pytest.mark.parametrize(("setting", "coloured"), [("0", False), ("1", True)])
+def test_quiet_console_colours_only_where_told_and_quiets_mlflows_store_setup(
+    monkeypatch, caplog, setting, coloured
+):
+    monkeypatch.setenv("QWENTITAN_COLOR", setting)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    quiet_console()
+    line = "\x1b[31mstep:  1  \x1b[32mloss: 11.9\x1b[39m"
+    with caplog.at_level(logging.INFO):
+        logging.getLogger().info(line)
+        logging.getLogger("mlflow.store.db.utils").info(
+            "Creating initial MLflow database tables..."
+        )
+        logging.getLogger("mlflow.store.db.utils").warning("a real problem")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [line if coloured else "step:  1  loss: 11.9", "a real problem"]
+    monkeypatch.setenv("QWENTITAN_COLOR", "0")
+    quiet_console()  # the other tests see plain text again
 
 
 @pytest.mark.slow
@@ -141,11 +185,12 @@ def test_train_ends_with_the_summary_and_without_the_noise(
     argv = ["--ranks", "1", "--steps", "3", "--seq-len", "32", "--local-batch-size", "1",
             "--validate-every", "2", "--run-dir", str(run_dir)]  # fmt: skip
     code, log = train_in_process(argv, tmp_path / "train.log")
-    log = _ANSI.sub("", log)
     assert code == 0, log[-3000:]
     for noise in _NOISE:
         assert noise not in log, noise
     assert "MFU: n/a on cpu" in log
+    assert "Step 1 is the first: it compiles and warms up" in log
+    (first_step,) = re.findall(r"First step 1: ([0-9.]+) s", log)
     losses = {int(step): float(loss) for step, loss in _STEP.findall(log)}
     validation = {int(step): float(loss) for step, loss in _VALIDATE.findall(log)}
     # The launcher's own lines go to sys.stdout (pytest's capture here), the ranks' to the log.
@@ -155,8 +200,10 @@ def test_train_ends_with_the_summary_and_without_the_noise(
     assert rows["loss"] == f"{losses[1]:.4f} -> {losses[3]:.4f} (step 1 -> 3)"
     last_validated = max(validation)
     assert rows["validation loss"] == f"{validation[last_validated]:.4f} (step {last_validated})"
-    assert float(rows["tokens/s"].split()[0]) > 0
-    assert float(rows["warm-up"].split()[0]) > 0
+    split = re.match(r"(\d+) in total = (\d+) per rank x (\d+) ", rows["tokens/s"])
+    assert split and int(split[1]) == int(split[2]) > 0 and split[3] == "1"  # one rank
+    assert rows["warm-up"].startswith(f"{first_step} s")  # one figure: the rank's own line
+    assert "qwentitan-launch train: starting the ranks" in launcher
     assert rows["checkpoints"] == str((run_dir / "checkpoint").resolve())
     run_id = rows["MLflow run"].split()[0]
     run = MlflowClient(uri).get_run(run_id)

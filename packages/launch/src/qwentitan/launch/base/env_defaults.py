@@ -43,12 +43,26 @@ COMPILE_CACHE = "TORCH_NEURONX_NEFF_CACHE_DIR"
 RDZV_ID = "QWENTITAN_RDZV_ID"
 MLFLOW_RUN_ID = "MLFLOW_RUN_ID"  # MLflow's own: the run a preflight report attaches to
 CACHE = "QWENTITAN_CACHE"
+# Whether the ranks' console lines keep torchtitan's colours: the launcher sets it from its own
+# stdout (a rank's stdout is torchrun's pipe even when the user's is a terminal).
+COLOUR = "QWENTITAN_COLOR"
 DEFAULT_STORE = "mlflow.db"
 _OFF = ("0", "off", "false", "no")
 
 
 def _value(name: str) -> str | None:
     return os.environ.get(name) or None  # set but empty counts as unset
+
+
+def colour() -> bool:
+    """Colour on the console: `QWENTITAN_COLOR`, else this process's stdout is a terminal;
+    never with `NO_COLOR` set (no-color.org)."""
+    import sys
+
+    if _value("NO_COLOR"):
+        return False
+    value = _value(COLOUR)
+    return value.lower() not in _OFF if value else sys.stdout.isatty()
 
 
 def mlflow_enabled() -> bool:

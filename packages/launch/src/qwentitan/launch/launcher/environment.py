@@ -153,4 +153,6 @@ def rank_env(
     if device_type == "cpu":
         threads = max(1, (os.cpu_count() or 1) // ranks_per_node)
         merged.setdefault("OMP_NUM_THREADS", str(threads))
+    # A rank's stdout is torchrun's pipe: whether to colour is the launching process's call.
+    merged.setdefault(env_defaults.COLOUR, "1" if env_defaults.colour() else "0")
     return merged

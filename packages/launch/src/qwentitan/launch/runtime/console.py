@@ -12,7 +12,9 @@ import logging
 import re
 import warnings
 
-__all__ = ["NOISE", "quiet_console"]
+from qwentitan.launch.base import env_defaults
+
+__all__ = ["NOISE", "QUIET_LOGGERS", "quiet_console"]
 
 # Starts of torchtitan 0.3.0 log lines (all on the root logger) that are dropped, and why.
 NOISE: dict[str, str] = {
@@ -30,6 +32,21 @@ NOISE: dict[str, str] = {
     # components/metrics.py ensure_pp_loss_visible asks for the last stage's rank in LOG_RANK
     # (its run_train.sh); the launcher's torchrun line shows that rank (plan_rules.console_rank).
     "Pipeline Parallel loss is not visible": "the console shows the last stage's rank",
+    # distributed/utils.py init_distributed: it sets NCCL's variable on every backend, gloo
+    # included, and says so; nothing to act on.
+    "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]": "torchtitan sets it itself, NCCL or not",
+    # components/checkpointer: the tokenizer's folder has no index; it only matters to an HF
+    # save, which then writes one file, the right choice for a model that fits in one.
+    "model.safetensors.index.json not found": "an HF save writes one file: fine",
+    # train.py's close on rank 0 and its GC thread's end: bookkeeping of a finished run.
+    "Sleeping 2 seconds for other ranks": "bookkeeping at the end",
+    "Destroying the purge thread": "bookkeeping at the end",
+}
+
+# Loggers other than the root one whose INFO lines are dropped (WARNING and above still show).
+QUIET_LOGGERS: dict[str, str] = {
+    # MLflow's first write to a new sqlite store: "Creating initial MLflow database tables...".
+    "mlflow.store.db.utils": "a new local store is no news",
 }
 
 # Python warnings (message regex, category) that are dropped, and why.
@@ -40,6 +57,9 @@ _WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     # for the initial weights there (runtime/whole_init.py).
     # torchdata's StatefulDataLoader calls torch.set_vital, deprecated by torch: not ours to fix.
     ("'set_vital' is deprecated", UserWarning),
+    # torchtitan's MoE router asks for float32 autocast, which CPU autocast does not take; the
+    # router then simply runs in float32 (tiny_moe's experts run in float32 on CPU anyway).
+    ("In CPU autocast, but the target dtype is not supported", UserWarning),
 )
 
 
@@ -48,22 +68,38 @@ _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class _DropNoise(logging.Filter):
+    """Drops the lines of `NOISE`; without colour (`env_defaults.colour`) strips the escapes
+    from the rest, so files and pipes get plain text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.colour = True
+
     def filter(self, record: logging.LogRecord) -> bool:
-        message = _COLOUR.sub("", record.getMessage())
-        return not any(message.startswith(start) for start in NOISE)
+        message = record.getMessage()
+        plain = _COLOUR.sub("", message)
+        if any(plain.startswith(start) for start in NOISE):
+            return False
+        if not self.colour and plain != message:
+            record.msg, record.args = plain, ()
+        return True
 
 
 _FILTER = _DropNoise()
 
 
 def quiet_console() -> None:
-    """Drop the lines of `NOISE` and the warnings above; calling it again changes nothing.
+    """Drop the lines of `NOISE`, the INFO lines of `QUIET_LOGGERS` and the warnings above;
+    colour only where `env_defaults.colour()` says. Calling it again changes nothing.
 
     The filter sits on the root logger (where torchtitan logs), not on a handler, so it
     survives torchtitan's `init_logger`, which replaces the handlers.
     """
     root = logging.getLogger()
+    _FILTER.colour = env_defaults.colour()
     if _FILTER not in root.filters:
         root.addFilter(_FILTER)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     for message, category in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)

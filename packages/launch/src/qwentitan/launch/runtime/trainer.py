@@ -338,6 +338,10 @@ class Trainer(torchtitan_trainer.Trainer):
     def train_step(self, data_iterator) -> None:
         if self.first_step_done:
             return super().train_step(data_iterator)
+        # The longest silence of a run otherwise: the first step builds and compiles everything.
+        logger.info(
+            f"Step {self.step} is the first: it compiles and warms up, so it takes longest."
+        )
         start = time.perf_counter()
         super().train_step(data_iterator)
         self.platform.device_module.synchronize()

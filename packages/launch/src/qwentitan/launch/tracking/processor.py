@@ -10,6 +10,7 @@ platform's peak, with no MFU at all where no peak is known (CPU).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from torchtitan.distributed import ParallelDims
 
 from qwentitan.launch.base.target import NEURON_TARGET, get_target
 from qwentitan.launch.tracking.logger import (
+    FIRST_STEP,
     SUMMARY,
     MLflowLogger,
     attach_report,
@@ -181,12 +183,15 @@ class SummaryLogger(BaseLogger):
         # With MLflow on, its logger already observes every step: one summary, read here.
         self.summary = mlflow.summary if mlflow is not None else RunSummary()
         self.stopped: str | None = None  # TrackedMetrics.record_stop
+        self._first_step_read = False
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.mlflow is None:
             self.summary.observe(step, step_values(metrics, self.world_size))
+        self._adopt_first_step()
 
     def close(self) -> None:
+        self._adopt_first_step()
         figures = {key.removeprefix("summary/"): v for key, v in self.summary.metrics().items()}
         mlflow = None
         if self.mlflow is not None:
@@ -195,6 +200,7 @@ class SummaryLogger(BaseLogger):
             "first_step": self.summary.first_step,
             "last_step": self.summary.last_step,
             "last_validation_step": self.summary.last_validation_step,
+            "ranks": self.world_size,
             **figures,
             "run_dir": str(self.run_dir),
             "stopped": self.stopped,
@@ -212,3 +218,20 @@ class SummaryLogger(BaseLogger):
                 error.strerror or error,
                 " and the MLflow run" if self.mlflow is not None else "",
             )
+
+    def _adopt_first_step(self) -> None:
+        """The warm-up as the rank's console said it, the one figure: the first step's own
+        time, which `Trainer.train_step` leaves in RUN_DIR/reports/first_step.json after the
+        step's metrics are logged (so MLflow's summary, logged at close, gets it too).
+        torchtitan's step-1 end-to-end time also counts the set-up before the step. Kept where
+        no report of this run's first step is here (another node's rank 0 wrote it)."""
+        if self._first_step_read or self.summary.first_step is None:
+            return
+        path = self.run_dir / REPORTS_FOLDER / f"{FIRST_STEP}.json"
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if report.get("step") == self.summary.first_step and report.get("seconds") is not None:
+            self.summary.warmup_time_s = report["seconds"]
+            self._first_step_read = True

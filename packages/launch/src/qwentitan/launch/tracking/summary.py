@@ -165,19 +165,13 @@ def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | No
 
     first, last = report.get("first_step"), report.get("last_step")
     steps = f" (step {first} -> {last})" if first is not None else ""
-    tps = report.get("sustained_tokens_per_second")
     validated_at = report.get("last_validation_step")
     validated = f" (step {validated_at})" if validated_at is not None else ""
     warmup = report.get("warmup_time_s")
     rows = [
         ("loss", f"{number('first_loss')} -> {number('final_loss')}{steps}"),
         ("validation loss", number("last_validation_loss") + validated),
-        (
-            "tokens/s",
-            f"{tps:.0f} sustained (median of the steps after the first)"
-            if tps
-            else "n/a (no step after the first)",
-        ),
+        ("tokens/s", _tokens_per_second(report)),
         ("warm-up", f"{warmup:.1f} s (first step, compilation included)" if warmup else "n/a"),
         ("checkpoints", str(checkpoint_folder) if checkpoint_folder else "off"),
     ]
@@ -205,3 +199,16 @@ def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | No
     width = max(len(name) for name, _ in rows)
     lines = [f"  {name:<{width}}  {text}" for name, text in rows]
     return "\n".join(["Summary", *lines])
+
+
+def _tokens_per_second(report: Mapping[str, Any]) -> str:
+    """The job's sustained tokens/s, and each rank's (what a step line's `tps` shows)."""
+    total = report.get("sustained_tokens_per_second")
+    if not total:
+        return "n/a (no step after the first)"
+    per_rank, ranks = report.get("sustained_tokens_per_second_per_device"), report.get("ranks")
+    split = f" = {per_rank:.0f} per rank x {ranks} (a step line's tps is per rank)"
+    return (
+        f"{total:.0f} in total{split if per_rank and ranks else ''}; sustained: the median of "
+        "the steps after the first"
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
@@ -41,34 +42,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked plan as the supervising process needs it: plain data, no torch object."""
+
+    argv: list[str]
+    env: dict[str, str]
+    said: list[str]  # printed before the ranks start
+    run_dir: str
+    checkpoints: str | None
+    summary: str  # RUN_DIR/reports/summary.json, which the metrics rank writes at close
+
+
 def run(args: argparse.Namespace) -> int:
+    from qwentitan.launch.launcher.child import in_child
+    from qwentitan.launch.launcher.run_folder import hold_run_folder
+    from qwentitan.launch.runtime import preemption
+
+    # Resolved and checked in a child process: this one supervises the ranks for the whole run
+    # and keeps none of torch, torchtitan or the model stack that building the config imports.
+    prepared = in_child(_prepare, args)
+    for line in prepared.said:
+        print(line, flush=True)
+    print(
+        "qwentitan-launch train: starting the ranks; each loads torch and torchtitan and builds "
+        "the model before its first line.",
+        flush=True,
+    )
+    started = time.time()
+    with hold_run_folder(Path(prepared.run_dir)):
+        code = preemption.supervise(prepared.argv, prepared.env)
+    summary = _summary_block(Path(prepared.summary), prepared.checkpoints, started)
+    if summary is not None:
+        print(summary, flush=True)
+    return code
+
+
+def _prepare(args: argparse.Namespace) -> Prepared:
+    """The plan of this `train`, every check before a start passed, its run folder made."""
     from qwentitan.launch.launcher.plan import resolve_plan
     from qwentitan.launch.launcher.plan_cli import describe
-    from qwentitan.launch.launcher.run_folder import hold_run_folder, point_latest
-    from qwentitan.launch.launcher.start import check_before_start, launch
+    from qwentitan.launch.launcher.run_folder import point_latest
+    from qwentitan.launch.launcher.start import check_before_start
+    from qwentitan.launch.tracking.logger import REPORTS_FOLDER, SUMMARY
 
     request, new_folder = _request(args)
     plan = resolve_plan(request)
-    if plan.note:
-        print(f"qwentitan-launch train: note: {plan.note}", flush=True)
     check_before_start(plan, request, folder_given=args.run_dir is not None)
     run_dir = plan.run_folder  # local; on S3 (`--run-dir s3://...`) all but the checkpoints
     if new_folder:
         point_latest(run_dir)  # only now: a refused run leaves no folder behind
-    print(describe(plan), flush=True)
-    print(
+    said = [f"qwentitan-launch train: note: {plan.note}"] if plan.note else []
+    said += [
+        describe(plan),
         f"qwentitan-launch train: {plan.recipe} on {plan.ranks_per_node} "
         f"{plan.topology.device_type} rank(s), {plan.steps} steps, run folder {request.run_dir}",
-        flush=True,
-    )
-    started = time.time()
-    with hold_run_folder(run_dir):
-        code = launch(plan)
+    ]
     checkpoints = plan.checkpoint_folder if plan.config.checkpoint.enable else None
-    summary = _summary_block(run_dir, checkpoints, started)
-    if summary is not None:
-        print(summary, flush=True)
-    return code
+    return Prepared(
+        argv=plan.launch_argv(),
+        env=plan.rank_env(),
+        said=said,
+        run_dir=str(run_dir),
+        checkpoints=str(checkpoints) if checkpoints else None,
+        summary=str(run_dir / REPORTS_FOLDER / f"{SUMMARY}.json"),
+    )
 
 
 def _request(args: argparse.Namespace) -> tuple[RunRequest, bool]:
@@ -117,12 +155,10 @@ def _run_folder(recipe: str, given: str | None, resume: str) -> tuple[Path, bool
     return new_run_folder(base), True
 
 
-def _summary_block(run_dir: Path, checkpoint_folder: Path | None, started: float) -> str | None:
+def _summary_block(path: Path, checkpoint_folder: str | None, started: float) -> str | None:
     """The block the metrics rank left for this run (None if it wrote none: a failed start)."""
-    from qwentitan.launch.tracking.logger import REPORTS_FOLDER, SUMMARY
     from qwentitan.launch.tracking.summary import format_summary
 
-    path = run_dir / REPORTS_FOLDER / f"{SUMMARY}.json"
     # An earlier run's file (a run folder continued with --resume) is not this run's summary.
     if not path.is_file() or path.stat().st_mtime < started:
         return None

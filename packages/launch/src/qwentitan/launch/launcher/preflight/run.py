@@ -17,6 +17,9 @@ from qwentitan.launch.launcher.preflight import (
 )
 from qwentitan.launch.launcher.preflight.report import CheckResult, PreflightReport
 
+# The checks of the folder a run starts from: they do not apply to a random initialisation.
+WEIGHT_CHECKS = ("weights", "round_trip", "initialisation")
+
 
 def run_preflight(
     plan: LaunchPlan,
@@ -56,7 +59,11 @@ def run_preflight(
                 lambda: checks.check_compile_smoke(plan, allow_fallback=allow_fallback),
             )
         )
+    random_init = weights.random_init_reason(plan, weights_dir)
     for name, check in steps:
+        if name in WEIGHT_CHECKS and random_init:
+            report.checks.append(CheckResult(name, "skip", random_init))
+            continue
         if name in ("round_trip", "initialisation") and _failed(report, "weights"):
             report.checks.append(CheckResult(name, "skip", "the weights check failed"))
             continue

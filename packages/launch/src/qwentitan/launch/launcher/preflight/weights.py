@@ -35,6 +35,17 @@ def weights_folder(plan: LaunchPlan, override: str | None = None) -> Path:
     return Path(folder).expanduser()
 
 
+def random_init_reason(plan: LaunchPlan, override: str | None = None) -> str | None:
+    """Why the weights checks do not apply to this plan (it loads no weights), else None.
+
+    torchtitan loads initial weights only from `checkpoint.initial_load_path`; `hf_assets_path`
+    alone is the tokenizer's folder. A folder passed with --weights is checked all the same.
+    """
+    if override or getattr(plan.config.checkpoint, "initial_load_path", None):
+        return None
+    return "the recipe starts from random weights (no checkpoint.initial_load_path); --weights DIR checks a folder anyway"
+
+
 def _flavor(plan: LaunchPlan):
     from qwentitan.modeling import get_flavor
 
