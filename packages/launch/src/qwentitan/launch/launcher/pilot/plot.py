@@ -40,7 +40,6 @@ def plot_losses(
         curves.plot(steps, [curve[s] for s in steps], style, marker=".", label=child)
     curves.set_ylabel("training loss")
     curves.set_title(title)
-    curves.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     # Colours after the children's, so a difference is not read as one of the curves.
     gaps.set_prop_cycle(color=palette[len(losses) :] + palette[: len(losses)])
     for result in results:
@@ -54,7 +53,8 @@ def plot_losses(
     gaps.xaxis.set_major_locator(MaxNLocator(integer=True))
     gaps.set_ylabel("|loss difference|\n(dashed: limit)")
     gaps.set_xlabel("step")
-    gaps.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    for axes in (curves, gaps) if losses else ():  # nothing trained: no legend to show
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     try:
         with atomic_file(file) as partial:
             figure.savefig(partial, dpi=100, format="png")

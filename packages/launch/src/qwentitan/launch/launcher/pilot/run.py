@@ -425,7 +425,7 @@ def _log_results(target: MlflowTarget, parent: str, results: list[PairResult], p
 
 
 def _print_table(target: MlflowTarget, children: dict[str, str]) -> None:
-    width = max(12, *(len(child) + 2 for child in children))
+    width = max([12, *(len(child) + 2 for child in children)])
     print(f"{'child':<{width}}" + "".join(f"{c.removeprefix('summary/'):>30}" for c in _COLUMNS))
     for child, run_id in children.items():
         metrics = target.client.get_run(run_id).data.metrics
