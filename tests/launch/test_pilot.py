@@ -1,6 +1,7 @@
 """The pilot's parts that need no training: pair verdicts, the compare URL, the picture, its
-refusals, and the experiment kind every qwentitan experiment gets. The pilot itself trains in
-tests/integration/test_mlflow_ui.py."""
+refusals, the mesh pilot's children and layouts, and the experiment kind every qwentitan
+experiment gets. The paths pilot itself trains in tests/integration/test_mlflow_ui.py, the mesh
+pilot in tests/launch/test_every_mesh.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -28,6 +30,7 @@ from qwentitan.launch.launcher.pilot import (
     runs_url,
 )
 from qwentitan.launch.launcher.pilot.__main__ import main as pilot_main
+from qwentitan.launch.launcher.pilot.mesh import MESH
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.launcher.pilot.run import pilot_request
 from qwentitan.launch.launcher.plan import load_config
@@ -287,3 +290,82 @@ def test_a_full_disk_is_one_sentence_exit_2_and_the_parent_run_is_ended(
     not_a_folder.write_text("")
     assert pilot_main(["--run-dir", str(not_a_folder / "pilot"), "--tracking-uri", uri]) == 2
     assert capsys.readouterr().err.startswith("pilot: could not write")
+
+
+def test_a_layout_over_its_limit_is_one_sentence_naming_layout_step_and_difference():
+    tp2 = MESH["tiny_dense.tp2"]
+    curves = _curves({2: 2e-4, 3: 5e-3})
+    curves = {tp2.children[0]: curves["hf"], tp2.children[1]: curves["native"]}
+    verdict = compare(tp2, curves, steps=5).verdict()
+    assert verdict.startswith(
+        "tiny_dense.tp2 layout (tiny_dense.1-rank vs tiny_dense.tp2): FAILED, |loss difference| "
+        "2.00e-04 at step 2 exceeds the limit 1e-04"
+    )
+    assert "\n" not in verdict
+
+
+def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
+    tmp_path, monkeypatch
+):
+    from qwentitan.launch.launcher.pilot import run as pilot_run
+    from qwentitan.launch.launcher.plan_rules import ParallelDegrees
+
+    started, planned = [], {}
+    real_popen, real_plan = subprocess.Popen, pilot_run.resolve_plan
+
+    def plan(request):  # every child's plan, resolved before anything trains
+        planned[Path(request.run_dir).name] = real_plan(request)
+        return planned[Path(request.run_dir).name]
+
+    def fake_train(command, **kwargs):  # each child `train` refused at once: nothing trains
+        if "qwentitan.launch.launcher.cli" not in command:
+            return real_popen(command, **kwargs)
+        started.append(command)
+        return real_popen([sys.executable, "-c", "raise SystemExit(1)"], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", fake_train)
+    monkeypatch.setattr(pilot_run, "resolve_plan", plan)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    request = pilot_request(steps=3, run_dir=str(tmp_path / "pilot"))
+    pilot = run_pilot(request, uri, pairs=tuple(MESH), perturb="tiny_dense.tp2")
+    wanted = {
+        "1-rank": ParallelDegrees(1),
+        "fsdp2": ParallelDegrees(2),
+        "tp2": ParallelDegrees(1, tensor_parallel=2),
+        "fsdp2-tp2": ParallelDegrees(2, tensor_parallel=2),
+        "hsdp2x2": ParallelDegrees(2, data_parallel_replicate=2),
+        "pp2": ParallelDegrees(1, pipeline_parallel=2),
+        "ep2": ParallelDegrees(2, expert_parallel=2),
+        "fsdp4-ep2": ParallelDegrees(4, expert_parallel=2),
+    }
+    assert {c: p.degrees for c, p in planned.items()} == {
+        c: wanted[c.split(".")[1]] for c in planned
+    }
+    assert {p.global_batch for p in planned.values()} == {8}  # on this host's 2 cores too
+    argv = {command[command.index("--metrics.mlflow.run_name") + 1]: command for command in started}
+    assert len(argv) == len(started) == 13  # tiny_dense.1-rank is the baseline of four pairs
+    assert {name: a[a.index("--debug.seed") + 1] for name, a in argv.items()} == {
+        name: "1" if name == "tiny_dense.tp2" else "0" for name in argv
+    }
+    fsdp_tp = argv["tiny_dense.fsdp2-tp2"]
+    flags = fsdp_tp[fsdp_tp.index("train") + 1 : fsdp_tp.index("--")]
+    assert flags == [
+        "--recipe", "tiny_dense", "--ranks-per-node", "4", "--tp", "2", "--fsdp", "2",
+        "--global-batch-size", "8", "--local-batch-size", "2", "--steps", "3",
+        "--run-dir", str(tmp_path / "pilot" / "tiny_dense.fsdp2-tp2"),
+    ]  # fmt: skip
+    assert not any("--checkpoint.initial_load_path" in a for a in argv.values())
+    assert sorted(pilot.failed) == sorted(argv) and not pilot.passed
+    parent = MlflowClient(uri).get_run(pilot.parent_run_id)
+    assert parent.info.run_name.startswith("mesh-pilot-") and parent.info.status == "FAILED"
+    assert parent.data.tags["pilot.perturbed"] == "tiny_dense.tp2"
+
+
+def test_the_mesh_pilot_refuses_a_layout_flag_of_its_own(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    argv = ["--mesh", "--tp", "2", "--run-dir", str(tmp_path / "p"), "--tracking-uri", uri]
+    assert pilot_main(argv) == 2
+    assert capsys.readouterr().err == (
+        "qwentitan-launch pilot: The mesh pilot places every child on its own layout; drop --tp.\n"
+    )
+    assert os.listdir(tmp_path) == []

@@ -15,7 +15,13 @@ PUBLISHED = [
 
 
 def test_table_holds_every_flavor_the_recipes_name():
-    assert set(FLAVORS) == {*PUBLISHED, "qwen3-30b-a3b-4l", "tiny-dense", "tiny-moe"}
+    assert set(FLAVORS) == {
+        *PUBLISHED,
+        "qwen3-30b-a3b-4l",
+        "tiny-dense",
+        "tiny-dense-untied",
+        "tiny-moe",
+    }
     assert all(FLAVORS[n].hf_repo for n in PUBLISHED)
 
 

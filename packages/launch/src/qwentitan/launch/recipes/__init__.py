@@ -54,6 +54,7 @@ _RECIPES = {
     recipe.name: recipe
     for recipe in (
         Recipe("tiny_dense", _TINY, "native"),
+        Recipe("tiny_dense_untied", _TINY, "native"),
         Recipe("tiny_hf", _TINY, "hf"),
         Recipe("tiny_moe", _TINY, "native"),
         Recipe("tiny_moe_kernels", _TINY, "moe-kernels"),

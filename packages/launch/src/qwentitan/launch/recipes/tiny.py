@@ -1,4 +1,5 @@
-"""Tiny Qwen3 recipes that train on any machine in minutes: `tiny_dense`, `tiny_moe`,
+"""Tiny Qwen3 recipes that train on any machine in minutes: `tiny_dense` (and
+`tiny_dense_untied`, its twin with an output head of its own, for pipeline parallelism), `tiny_moe`,
 `tiny_moe_kernels`, `tiny_hf`, and `tiny_tp2_fsdp2_sac`, the CPU twin of AWS's reference mesh.
 
 The default data needs no download: the offline corpus (the interpreter's own help text and
@@ -31,6 +32,7 @@ from qwentitan.modeling import get_flavor, model_spec
 __all__ = [
     "metrics_config",
     "tiny_dense",
+    "tiny_dense_untied",
     "tiny_hf",
     "tiny_moe",
     "tiny_moe_kernels",
@@ -121,6 +123,12 @@ def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
 def tiny_dense() -> Trainer.Config:
     """Dense tiny Qwen3 (qk-norm, GQA, tied embeddings) on the offline corpus."""
     return _tiny("tiny_dense", "tiny-dense", lr=1e-2)
+
+
+def tiny_dense_untied() -> Trainer.Config:
+    """`tiny_dense` with an output head of its own (`tiny-dense-untied`), which pipeline
+    parallelism can put in another stage than the embedding."""
+    return _tiny("tiny_dense_untied", "tiny-dense-untied", lr=1e-2)
 
 
 def tiny_moe() -> Trainer.Config:

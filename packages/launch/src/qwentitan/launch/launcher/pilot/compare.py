@@ -1,8 +1,13 @@
-"""The pilot's pairs: two implementation paths started from one checkpoint, compared step by step."""
+"""The pilot's pairs: two children started from the same weights, compared step by step; the
+paths pilot's (two implementation paths from one checkpoint) are PAIRS, the mesh pilot's (one
+layout against its baseline) are in `mesh`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+Layout = tuple[tuple[str, int], ...]
+"""Request fields (ranks_per_node, tp, fsdp, ...) that place one child; empty: the pilot's own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -10,12 +15,18 @@ class Pair:
     """Two children that train one flavor from the same weights, data and steps."""
 
     name: str
-    flavor: str
+    flavor: str | None
+    """The flavor of the seeded checkpoint both children start from; None: each starts from its
+    recipe's own initialisation with the pilot's seed, which is the same whatever the layout."""
     children: tuple[str, str]
-    """The child runs' names (their implementation paths), left and right."""
+    """The child runs' names (their implementation paths or layouts), left and right; a child
+    named in several pairs trains once."""
     recipes: tuple[str, str]
     limit: float
     """The largest |loss difference| allowed at any step."""
+    layouts: tuple[Layout, Layout] = ((), ())
+    kind: str = "pair"
+    """What the verdict calls it ("pair": two paths; "layout": a layout against its baseline)."""
 
 
 # Every child's learning rate. The tiny recipes' 1e-2 trains fast but spikes now and then
@@ -62,7 +73,7 @@ class PairResult:
     def verdict(self) -> str:
         """One line: the pair, its worst difference and whether it is within the limit."""
         left, right = self.pair.children
-        head = f"{self.pair.name} pair ({left} vs {right})"
+        head = f"{self.pair.name} {self.pair.kind} ({left} vs {right})"
         if missing := {child: steps for child, steps in self.missing.items() if steps}:
             said = "; ".join(
                 f"{c} logged no loss for step(s) {_steps(s)}" for c, s in missing.items()

@@ -12,7 +12,12 @@ from qwentitan.launch.launcher.pilot.compare import PairResult
 _LINEAR_BELOW = 1e-9
 
 
-def plot_losses(losses: dict[str, dict[int, float]], results: list[PairResult], file: Path) -> Path:
+def plot_losses(
+    losses: dict[str, dict[int, float]],
+    results: list[PairResult],
+    file: Path,
+    title: str = "pilot: every path from the same weights, data and steps",
+) -> Path:
     """Write the PNG to `file` (through a temporary sibling) and return it."""
     import matplotlib
 
@@ -21,8 +26,12 @@ def plot_losses(losses: dict[str, dict[int, float]], results: list[PairResult], 
     from matplotlib.ticker import MaxNLocator
 
     figure, (curves, gaps) = plt.subplots(
-        2, 1, sharex=True, figsize=(9, 7), height_ratios=(2, 1), layout="constrained"
+        2, 1, sharex=True, figsize=(12, 8), height_ratios=(2, 1), layout="constrained"
     )
+    # The mesh pilot's 13 children and 11 differences: 20 colours, so none repeats.
+    palette = plt.get_cmap("tab20").colors if len(losses) + len(results) > 10 else None
+    palette = list(palette or plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    curves.set_prop_cycle(color=palette)
     # The second child of a pair dashed, so a curve drawn exactly over its twin still shows.
     dashed = {result.pair.children[1] for result in results}
     for child, curve in losses.items():
@@ -30,24 +39,22 @@ def plot_losses(losses: dict[str, dict[int, float]], results: list[PairResult], 
         style = "--" if child in dashed else "-"
         curves.plot(steps, [curve[s] for s in steps], style, marker=".", label=child)
     curves.set_ylabel("training loss")
-    curves.set_title("pilot: every path from the same weights, data and steps")
-    curves.legend()
+    curves.set_title(title)
     # Colours after the children's, so a difference is not read as one of the curves.
-    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     gaps.set_prop_cycle(color=palette[len(losses) :] + palette[: len(losses)])
     for result in results:
         steps = sorted(result.diffs)
         left, right = result.pair.children
-        (line,) = gaps.plot(
-            steps, [result.diffs[s] for s in steps], marker=".", label=f"|{left} - {right}|"
-        )
-        gaps.axhline(result.pair.limit, color=line.get_color(), linestyle="--", linewidth=1)
+        gaps.plot(steps, [result.diffs[s] for s in steps], marker=".", label=f"|{left} - {right}|")
+    for limit in sorted({result.pair.limit for result in results}):
+        gaps.axhline(limit, color="grey", linestyle="--", linewidth=1)
     gaps.set_yscale("symlog", linthresh=_LINEAR_BELOW)
     gaps.set_ylim(bottom=0)
     gaps.xaxis.set_major_locator(MaxNLocator(integer=True))
     gaps.set_ylabel("|loss difference|\n(dashed: limit)")
     gaps.set_xlabel("step")
-    gaps.legend()
+    for axes in (curves, gaps) if losses else ():  # nothing trained: no legend to show
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     try:
         with atomic_file(file) as partial:
             figure.savefig(partial, dpi=100, format="png")

@@ -8,6 +8,11 @@ kernel experts). Each training is a child run of one MLflow parent in the `qwent
 experiment; the parent gets each pair's per-step |loss difference|, its maximum, a PNG of all
 curves, and fails when a pair differs by more than its limit at any step. The last line printed
 is the URL that opens the children side by side in the MLflow UI (`uv run nox -s mlflow_ui`).
+
+The mesh pilot (`qwentitan-launch pilot --mesh`) runs the same way over the pairs of `mesh`: each
+child places its recipe on its own layout and starts from the recipe's initialisation with the
+pilot's seed (`--debug.seed`), all on one global batch, so a layout that trains another model or
+other data shows as a loss difference to its baseline.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from qwentitan.checkpoint.files import atomic_folder
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR, Pair, PairResult, compare
+from qwentitan.launch.launcher.pilot.mesh import DEGREES, MESH, MESH_GLOBAL_BATCH, MESH_LOCAL_BATCH
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.launcher.plan import resolve_plan
 from qwentitan.launch.launcher.plan_cli import LAYOUT, request_argv
@@ -37,7 +43,8 @@ PILOT_EXPERIMENT = "qwentitan-pilot"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `uv run nox -s mlflow_ui` serves a local store
 PLOT = "pilot_losses.png"
 # `--perturb CHILD` starts that child from a copy of its pair's checkpoint with this weight
-# scaled by PERTURB_SCALE: the pilot must then fail, which shows its check can.
+# scaled by PERTURB_SCALE (a mesh child: from its recipe's initialisation with the next seed):
+# the pilot must then fail, which shows its check can.
 PERTURBED_WEIGHT = "model.norm.weight"
 PERTURB_SCALE = 1.1
 _COLUMNS = (
@@ -95,13 +102,18 @@ def run_pilot(
     """Train the `pairs` (names in PAIRS) as children of one new parent run, each child
     `request` with its own recipe and run folder; see the module."""
     request = request or pilot_request()
-    chosen = _chosen(pairs, perturb)
+    chosen = _chosen(pairs, perturb, request)
+    if any(pair.flavor is None for pair in chosen):  # a mesh pair: one global batch for all
+        request = request.replace(
+            global_batch_size=request.global_batch_size or MESH_GLOBAL_BATCH,
+            local_batch_size=request.local_batch_size or MESH_LOCAL_BATCH,
+        )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder = Path(request.run_dir or Path("outputs") / "pilot" / stamp)
     children = {
-        child: request.replace(recipe=recipe, run_dir=str(folder / child))
+        child: request.replace(recipe=recipe, run_dir=str(folder / child), **_placed(layout))
         for pair in chosen
-        for child, recipe in zip(pair.children, pair.recipes, strict=True)
+        for child, recipe, layout in zip(pair.children, pair.recipes, pair.layouts, strict=True)
     }
     for child in children.values():
         resolve_plan(child)  # every child's plan is checked before anything is written
@@ -116,7 +128,7 @@ def run_pilot(
         runs = _child_runs(target, parent, children, failed)
         losses = {child: _losses(target, runs[child]) for child in children if child in runs}
         results = [compare(pair, losses, request.steps or 0) for pair in chosen]
-        plot = plot_losses(losses, results, folder / PLOT)
+        plot = plot_losses(losses, results, folder / PLOT, title=_title(chosen))
         _log_results(target, parent, results, plot)
     except BaseException as error:  # Ctrl-C (the child saved and stopped), a full disk
         target.end(parent, "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED", now_ms())
@@ -128,14 +140,34 @@ def run_pilot(
     return _report(target, uri, parent, runs, failed, results, plot, list(children))
 
 
-def _chosen(pairs: Sequence[str], perturb: str | None) -> list[Pair]:
-    chosen = [PAIRS[name] for name in pairs if name in PAIRS]
-    if len(chosen) != len(pairs) or not chosen:
-        raise LaunchError(f"Unknown pair in {list(pairs)}; choose among {', '.join(PAIRS)}.")
-    children = [child for pair in chosen for child in pair.children]
+def _chosen(pairs: Sequence[str], perturb: str | None, request: RunRequest) -> list[Pair]:
+    known = {**PAIRS, **MESH}
+    chosen = [known[name] for name in dict.fromkeys(pairs) if name in known]
+    if len(chosen) != len(set(pairs)) or not chosen:
+        raise LaunchError(
+            f"Unknown pair in {list(pairs)}; choose among {', '.join(PAIRS)} or the mesh "
+            f"pilot's {', '.join(MESH)}."
+        )
+    children = list(dict.fromkeys(child for pair in chosen for child in pair.children))
     if perturb is not None and perturb not in children:
         raise LaunchError(f"--perturb {perturb!r} is none of this pilot's children: {children}.")
+    placed = any(layout for pair in chosen for layout in pair.layouts)
+    if placed and (given := next((f for f in DEGREES if getattr(request, f)), None)):
+        raise LaunchError(
+            f"The mesh pilot places every child on its own layout; drop {{{given}}}.", field=given
+        )
     return chosen
+
+
+def _placed(layout: tuple[tuple[str, int], ...]) -> dict[str, object]:
+    """The request fields that put a child on `layout` (none for a child without one)."""
+    return {**dict.fromkeys(DEGREES), **dict(layout)} if layout else {}
+
+
+def _title(chosen: list[Pair]) -> str:
+    if all(pair.flavor is None for pair in chosen):
+        return "mesh pilot: every layout from the same seed, global batch and steps"
+    return "pilot: every path from the same weights, data and steps"
 
 
 def _open_parent(
@@ -149,13 +181,14 @@ def _open_parent(
     perturb: str | None,
 ) -> str:
     """The parent run, with the pilot's parameters and the limit of each pair."""
+    name = "mesh-pilot" if all(pair.flavor is None for pair in chosen) else "pilot"
     parent = target.open_run(
-        {"run_key": uuid.uuid4().hex, "experiment": experiment, "run_name": f"pilot-{stamp}",
+        {"run_key": uuid.uuid4().hex, "experiment": experiment, "run_name": f"{name}-{stamp}",
          "start_ms": now_ms()}
     )  # fmt: skip
     sizes = {"steps": request.steps, "ranks": request.ranks_per_node}
     sizes |= {name: getattr(request, name) for name in ("seq_len", "local_batch_size", *LAYOUT)}
-    children = [child for pair in chosen for child in pair.children]
+    children = list(dict.fromkeys(child for pair in chosen for child in pair.children))
     target.log(
         parent,
         params={**{k: str(v) for k, v in sizes.items() if v is not None},
@@ -177,24 +210,33 @@ def _train_children(
     lr: float,
     perturb: str | None,
 ) -> list[str]:
-    """Train every child `train` in turn, each from its pair's checkpoint; the failed ones.
-    Signals reach the running child, and stop the pilot after it (KeyboardInterrupt)."""
+    """Train every child `train` in turn (once, whatever the number of its pairs), each from
+    its pair's start; the failed ones. Signals reach the running child, and stop the pilot after
+    it (KeyboardInterrupt)."""
+    flavors = {child: pair.flavor for pair in chosen for child in pair.children}
     failed = []
     with SignalForwarder(lambda child_pid: [child_pid], interrupting=True) as forwarder:
-        for pair in chosen:
-            start = _start_checkpoint(folder / "start" / pair.flavor, pair.flavor, seed)
-            for child in pair.children:
-                weights = _perturbed(start) if child == perturb else start
-                overrides = [*start_overrides(weights), _LR, f"{lr:g}",
-                             *child_overrides(uri, experiment, parent, child)]  # fmt: skip
-                request = children[child]
-                request = request.replace(overrides=(*overrides, *request.overrides))
-                command = [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train",
-                           *request_argv(request, CHILD_FIELDS)]  # fmt: skip
-                print(f"pilot: {child} ({request.recipe}) from {weights}", flush=True)
-                if forwarder.run(command) != 0:
-                    failed.append(child)
+        for child, request in children.items():
+            start, said = _start(folder, flavors[child], seed, perturbed=child == perturb)
+            overrides = [*start, _LR, f"{lr:g}", *child_overrides(uri, experiment, parent, child)]
+            request = request.replace(overrides=(*overrides, *request.overrides))
+            command = [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train",
+                       *request_argv(request, CHILD_FIELDS)]  # fmt: skip
+            print(f"pilot: {child} ({request.recipe}) from {said}", flush=True)
+            if forwarder.run(command) != 0:
+                failed.append(child)
     return failed
+
+
+def _start(folder: Path, flavor: str | None, seed: int, *, perturbed: bool) -> tuple[list, str]:
+    """The overrides that start a child, and where from in words: the pair's seeded checkpoint
+    of `flavor`, or (None) the recipe's own initialisation with `seed` (the next one perturbed)."""
+    if flavor is None:
+        seed += perturbed
+        return ["--debug.seed", str(seed)], f"its initialisation with seed {seed}"
+    start = _start_checkpoint(folder / "start" / flavor, flavor, seed)
+    weights = _perturbed(start) if perturbed else start
+    return start_overrides(weights), str(weights)
 
 
 def _child_runs(
@@ -372,7 +414,7 @@ def _log_results(target: MlflowTarget, parent: str, results: list[PairResult], p
     points: list[Point] = []
     tags = {}
     for result in results:
-        key = f"pair/{result.pair.name}"
+        key = f"{result.pair.kind}/{result.pair.name}"
         points += [(f"{key}/abs_loss_diff", d, ms, s) for s, d in sorted(result.diffs.items())]
         if result.max_diff is not None:
             points.append((f"{key}/max_abs_loss_diff", result.max_diff, ms, 0))
@@ -383,8 +425,9 @@ def _log_results(target: MlflowTarget, parent: str, results: list[PairResult], p
 
 
 def _print_table(target: MlflowTarget, children: dict[str, str]) -> None:
-    print(f"{'path':<12}" + "".join(f"{c.removeprefix('summary/'):>30}" for c in _COLUMNS))
-    for path, run_id in children.items():
+    width = max([12, *(len(child) + 2 for child in children)])
+    print(f"{'child':<{width}}" + "".join(f"{c.removeprefix('summary/'):>30}" for c in _COLUMNS))
+    for child, run_id in children.items():
         metrics = target.client.get_run(run_id).data.metrics
         cells = "".join(f"{metrics[c]:>30.4g}" if c in metrics else f"{'-':>30}" for c in _COLUMNS)
-        print(f"{path:<12}{cells}")
+        print(f"{child:<{width}}{cells}")
