@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
 
-__all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest"]
+__all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest", "override_refusal"]
 
 AC_MODES = ("none", "selective", "full")
 # What the ranks do with the checkpoints already in the run folder (torchtitan itself always
@@ -44,6 +44,19 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
     "tokenizer": ("--hf-assets-path",),
     "validate_every": ("--validator.freq",),
 }
+
+
+# Overrides that would choose what torchtitan's parser imports and which config it builds
+# (`--module` imports any installed module) or load a config file: the recipe names those.
+_RESERVED = ("--module", "--config", "--job.", "--job-")
+
+
+def override_refusal(word: str) -> str | None:
+    """Why `word` may not be a trainer override (None: it may)."""
+    name = word.split("=", 1)[0]
+    if name in _RESERVED[:2] or name.startswith(_RESERVED[2:]):
+        return "the recipe alone chooses torchtitan's module and config"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +123,14 @@ class RunRequest:
                 raise LaunchError(
                     f"Unknown {what} {value!r}; pass {{{name}}} with one of {', '.join(choices)}.",
                     field=name,
+                )
+
+        for word in self.overrides:
+            why = override_refusal(word)
+            if why:
+                raise LaunchError(
+                    f"The override {word} is refused: {why}; pass {{recipe}} NAME instead.",
+                    field="recipe",
                 )
 
     def replace(self, **changes: object) -> RunRequest:
