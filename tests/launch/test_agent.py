@@ -42,14 +42,16 @@ def test_a_job_whose_ranks_succeed_exits_0(tmp_path):
     assert "trained" in result.stdout
 
 
-def test_a_rank_killed_by_a_signal_is_exit_code_1(tmp_path):
-    result = agent(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    assert result.returncode == 1
-    assert "Traceback" not in result.stderr
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .endswith("ended with a signal; its own message is above.")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_rank_killed_by_a_signal_is_named_with_it_and_128_plus_it(tmp_path, sig):
+    result = agent(tmp_path, f"import os, signal\nos.kill(os.getpid(), signal.{sig})\n")
+    import signal
+
+    assert result.returncode == 128 + signal.Signals[sig], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "message is above" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"qwentitan-launch: rank 0 was killed by {sig} before it could say why; --resume "
+        "continues from the last checkpoint."
     )
 
 

@@ -192,6 +192,7 @@ class SignalForwarder:
         self.interrupting = interrupting
         self.poll_seconds = poll_seconds
         self.received: list[signal.Signals] = []
+        self.last_targets: list[int] = []  # as last seen, for when the child dies without them
         self._running = False
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -224,7 +225,8 @@ class SignalForwarder:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     code = child.wait(timeout=self.poll_seconds)
                     break
-                for pid in self.targets(child.pid) if self.received else ():
+                self.last_targets = self.targets(child.pid) or self.last_targets
+                for pid in self.last_targets if self.received else ():
                     for sig in self.received[delivered.get(pid, 0) :]:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, FORWARDED[sig])
@@ -249,4 +251,21 @@ def supervise(
     stopped: `run` tells that apart from a finished run, so a scheduler can start it again)."""
     with SignalForwarder(ranks_of, poll_seconds=poll_seconds) as forwarder:
         code = forwarder.run(argv, env)
+    if code < 0:
+        return _agent_killed(signal.Signals(-code), forwarder.last_targets)
     return stopped_exit if code == 0 and forwarder.received else code
+
+
+def _agent_killed(sig: signal.Signals, ranks: list[int]) -> int:
+    """The torchrun agent died of `sig` and could say nothing: its ranks, which would otherwise
+    train on as orphans, get the SIGTERM the agent would have sent (they checkpoint at the next
+    step boundary); one line; exit code 128 + the signal, as a shell reports it."""
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    os.write(
+        2,
+        f"qwentitan-launch: the torchrun agent was killed by {sig.name}; its ranks were sent "
+        "SIGTERM to stop, and --resume continues from their last checkpoint.\n".encode(),
+    )
+    return 128 + int(sig)
