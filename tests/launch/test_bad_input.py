@@ -118,21 +118,22 @@ def damaged(tmp_path: Path, name: str, content: bytes) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("content", "line", "words"),
-    [
-        (
-            (GOOD * 2 + '{"text": "cut off\n' + GOOD).encode(),
-            3,
-            "is not JSON (Unterminated string starting at column 10)",
-        ),
-        ((GOOD + '{"content": "no text"}\n').encode(), 2, "has no `text` string"),
-        ((GOOD * 3 + '{"text": 42}\n').encode(), 4, "has no `text` string"),
-        ((GOOD + "[1, 2]\n").encode(), 2, "has no `text` string"),
-        (GOOD.encode() * 4 + '{"text": "caf\xe9"}\n'.encode("latin-1"), 5, "is not UTF-8 (byte 14"),
-    ],
-    ids=["broken-json", "no-text", "text-not-a-string", "not-an-object", "latin-1"],
-)
+BAD_LINES = [
+    (
+        (GOOD * 2 + '{"text": "cut off\n' + GOOD).encode(),
+        3,
+        "is not JSON (Unterminated string starting at column 10)",
+    ),
+    ((GOOD + '{"content": "no text"}\n').encode(), 2, "has no `text` string"),
+    ((GOOD * 3 + '{"text": 42}\n').encode(), 4, "has no `text` string"),
+    ((GOOD + "[1, 2]\n").encode(), 2, "has no `text` string"),
+    (GOOD.encode() * 4 + '{"text": "caf\xe9"}\n'.encode("latin-1"), 5, "is not UTF-8 (byte 14"),
+    (b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00\x00" * 8, 1, "is not UTF-8 (byte 9 of the line)"),
+]
+BAD_LINE_IDS = ["broken-json", "no-text", "text-not-a-string", "not-an-object", "latin-1", "binary"]
+
+
+@pytest.mark.parametrize(("content", "line", "words"), BAD_LINES, ids=BAD_LINE_IDS)
 def test_a_bad_dataset_line_is_named_by_file_and_line(capsys, in_tmp, content, line, words):
     data = damaged(in_tmp, "train.jsonl", content)
     message = refusal(capsys, ["train", "--dataset", str(data)])
@@ -140,6 +141,38 @@ def test_a_bad_dataset_line_is_named_by_file_and_line(capsys, in_tmp, content, l
     assert message.endswith('write one {"text": ...} object per line (c4 style), UTF-8.')
     assert data.read_bytes() == content  # input is never modified
     assert os.listdir(in_tmp) == ["data"]  # no run folder: refused before anything was written
+
+
+@pytest.mark.parametrize(("content", "line", "words"), BAD_LINES, ids=BAD_LINE_IDS)
+def test_preflight_names_a_bad_dataset_line_as_train_does(capsys, in_tmp, content, line, words):
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight.dataset import check_dataset
+    from qwentitan.launch.launcher.request import RunRequest
+
+    data = damaged(in_tmp, "train.jsonl", content)
+    said_by_train = refusal(capsys, ["train", "--dataset", str(data)])
+    result = check_dataset(resolve_plan(RunRequest(recipe="tiny_dense", dataset=str(data))))
+    assert result.status == "fail" and result.detail + "." == said_by_train
+    assert result.detail.startswith(f"Dataset file {data} line {line} {words}")
+    assert data.read_bytes() == content
+
+
+@pytest.mark.parametrize(("content", "line", "words"), BAD_LINES, ids=BAD_LINE_IDS)
+def test_run_plan_checks_the_plans_dataset_before_any_rank(
+    capsys, in_tmp, monkeypatch, content, line, words
+):
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan_file import save_plan
+    from qwentitan.launch.launcher.request import RunRequest
+    from qwentitan.launch.runtime import preemption
+
+    data = damaged(in_tmp, "train.jsonl", content)
+    request = RunRequest(recipe="tiny_dense", dataset=str(data), run_dir=str(in_tmp / "run"))
+    path = save_plan(resolve_plan(request), in_tmp / "job.plan.json")
+    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
+    message = refusal(capsys, ["run", "--plan", str(path)])
+    assert message.startswith(f"Dataset file {data} line {line} {words}")
+    assert data.read_bytes() == content and sorted(os.listdir(in_tmp)) == ["data", "job.plan.json"]
 
 
 def test_every_file_of_a_dataset_folder_is_checked(capsys, in_tmp):

@@ -21,9 +21,9 @@ from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import get_topology
 from qwentitan.launch.launcher.plan import LaunchPlan, plan_from_overrides
 from qwentitan.launch.launcher.plan_schema import check_record
-from qwentitan.launch.launcher.request import RunRequest
+from qwentitan.launch.launcher.request import TRAINER_FIELDS, RunRequest
 
-__all__ = ["FORMAT", "load_plan", "save_plan"]
+__all__ = ["FORMAT", "load_plan", "planned_inputs", "save_plan"]
 
 FORMAT = "qwentitan-plan/1"
 
@@ -84,6 +84,22 @@ def load_plan(
         shell=env_defaults.shell(),
         env=(dict(record["env"]), dict(record["env_sources"])),
     )
+
+
+def planned_inputs(plan: LaunchPlan) -> dict[str, str]:
+    """The local inputs a plan's overrides name (`dataset`, `tokenizer`, as request fields), so a
+    node checks them as `train` checks its flags before the ranks start: the last value of each
+    field's first override (`--flag VALUE` or `--flag=VALUE`), as torchtitan's parser takes it."""
+    found: dict[str, str] = {}
+    words = plan.overrides
+    for name in ("dataset", "tokenizer"):
+        flag = TRAINER_FIELDS[name][0]
+        for i, word in enumerate(words):
+            if word == flag and i + 1 < len(words):
+                found[name] = words[i + 1]
+            elif word.startswith(flag + "="):
+                found[name] = word.split("=", 1)[1]
+    return found
 
 
 def _read(path: Path) -> dict[str, Any]:
