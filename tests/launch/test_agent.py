@@ -50,7 +50,7 @@ def test_a_rank_killed_by_a_signal_is_named_with_it_and_128_plus_it(tmp_path, si
     assert result.returncode == 128 + signal.Signals[sig], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "message is above" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"qwentitan-launch: rank 0 was killed by {sig} before it could say why; --resume "
+        f"qwentitan-launch: rank 0 was killed by {sig}, so it said nothing itself; --resume "
         "continues from the last checkpoint."
     )
 
@@ -89,4 +89,35 @@ def test_sigterm_to_the_agent_is_one_line_not_a_traceback(tmp_path):
     assert err.strip().splitlines()[-1] == (
         "qwentitan-launch: the torchrun agent got SIGTERM and stopped the ranks; --resume "
         "continues from their last checkpoint."
+    )
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_launcher_while_the_ranks_start_is_one_line(tmp_path, sig):
+    """`run`/`train`'s supervisor forwards the signal (SIGHUP as SIGTERM) to a rank that has no
+    handler yet (still starting): one line naming it, exit 128 + SIGTERM, nothing "above"."""
+    import os
+    import signal
+    import time
+
+    ready = tmp_path / "ready"
+    script = tmp_path / "rank.py"
+    script.write_text(f"import time\nopen({str(ready)!r}, 'w').close()\ntime.sleep(120)\n")
+    agent_argv = [sys.executable, "-m", "qwentitan.launch.launcher.agent", "--standalone",
+                  "--nproc-per-node=1", str(script)]  # fmt: skip
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; from qwentitan.launch.runtime.preemption import "
+         f"supervise; sys.exit(supervise({agent_argv!r}, dict(os.environ), stopped_exit=75))"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 200
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.kill(supervisor.pid, getattr(signal, sig))
+    _, err = supervisor.communicate(timeout=120)
+    assert supervisor.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and "message is above" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "qwentitan-launch: rank 0 was killed by SIGTERM, so it said nothing itself; --resume "
+        "continues from the last checkpoint."
     )

@@ -73,8 +73,8 @@ def _ended(rank: int, exitcode: int) -> str:
 
     name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else -exitcode
     return (
-        f"rank {rank} was killed by {name} before it could say why; --resume continues from the "
-        "last checkpoint."
+        f"rank {rank} was killed by {name}, so it said nothing itself; --resume continues from "
+        "the last checkpoint."
     )
 
 
