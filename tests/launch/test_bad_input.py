@@ -498,3 +498,29 @@ def test_an_override_naming_the_module_or_config_is_refused(capsys, in_tmp, word
         f"The override {word} is refused: the recipe alone chooses torchtitan's module and "
         "config; pass --recipe NAME instead."
     )
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_a_signal_while_the_launcher_checks_is_one_line(capsys, in_tmp, monkeypatch, command, sig):
+    """Before any rank runs: the launcher's own start-up (plan, checks) ends in one line, exit
+    128 + the signal, and the next signal is the shell's own again."""
+    import signal
+    import time
+
+    from qwentitan.launch.launcher import start
+    from qwentitan.launch.runtime import preemption
+
+    def signalled(*_args, **_kwargs):
+        os.kill(os.getpid(), getattr(signal, sig))
+        time.sleep(5)
+        pytest.fail("the signal did not stop the command")
+
+    monkeypatch.setattr(start.run_folder, "check_free_disk", signalled)
+    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
+    before = signal.getsignal(signal.SIGTERM)
+    argv = [command, "--recipe", "tiny_dense", "--steps", "2", "--run-dir", str(in_tmp / "run")]
+    assert cli.main(argv) == 128 + getattr(signal, sig)
+    said = capsys.readouterr().err
+    assert said == f"qwentitan-launch {command}: stopped by {sig}; run it again.\n"
+    assert signal.getsignal(signal.SIGTERM) == before
