@@ -10,12 +10,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def agent(tmp_path, body: str) -> subprocess.CompletedProcess:
+def agent(tmp_path, body: str, ranks: int = 1) -> subprocess.CompletedProcess:
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(body))
     return subprocess.run(
-        [sys.executable, "-m", "qwentitan.launch.launcher.agent", "--standalone", "--nproc-per-node=1",
-         str(script)],
+        [sys.executable, "-m", "qwentitan.launch.launcher.agent", "--standalone",
+         f"--nproc-per-node={ranks}", str(script)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
 
@@ -119,5 +119,27 @@ def test_a_signal_to_the_launcher_while_the_ranks_start_is_one_line(tmp_path, si
     assert "Traceback" not in err and "message is above" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
         "qwentitan-launch: rank 0 was killed by SIGTERM, so it said nothing itself; --resume "
+        "continues from the last checkpoint."
+    )
+
+
+def test_the_rank_a_signal_killed_is_named_not_the_peer_that_lost_it(tmp_path):
+    """Rank 1 SIGKILLed; rank 0 then fails on the lost connection (as gloo's "Connection closed
+    by peer"), in the same second: the line names rank 1 and its signal."""
+    result = agent(
+        tmp_path,
+        """
+        import os, signal, sys, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.3)
+        print("RuntimeError: Connection closed by peer", file=sys.stderr)
+        sys.exit(1)
+        """,
+        ranks=2,
+    )
+    assert result.returncode == 128 + 9, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "qwentitan-launch: rank 1 was killed by SIGKILL, so it said nothing itself; --resume "
         "continues from the last checkpoint."
     )

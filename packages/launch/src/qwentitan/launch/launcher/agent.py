@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # torchrun's lines that this agent's own one line replaces: (logger, message start).
 _REPLACED = (
@@ -59,10 +60,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
-        rank, failure = failed.get_first_failure()
+        rank, failure = _cause(failed)
         print(f"qwentitan-launch: {_ended(rank, failure.exitcode)}", file=sys.stderr, flush=True)
         return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1
     return 0
+
+
+def _cause(failed: Any) -> tuple[int, Any]:
+    """The failed rank to name: one a signal other than SIGTERM killed (its peers then fail on
+    the lost connection, and torchrun SIGTERMs the rest), else the first that exited with an
+    error, else the first killed by SIGTERM. torchrun's own `get_first_failure` goes by
+    timestamps in whole seconds, which tie in such a cascade."""
+    import signal
+
+    def rank_of(item: tuple[int, Any]) -> tuple[int, int, int]:
+        rank, failure = item
+        code = failure.exitcode
+        kind = 0 if code < 0 and -code != signal.SIGTERM else 1 if code > 0 else 2
+        return kind, failure.timestamp, rank
+
+    return min(failed.failures.items(), key=rank_of)
 
 
 def _ended(rank: int, exitcode: int) -> str:
