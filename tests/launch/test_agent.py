@@ -143,3 +143,25 @@ def test_the_rank_a_signal_killed_is_named_not_the_peer_that_lost_it(tmp_path):
         "qwentitan-launch: rank 1 was killed by SIGKILL, so it said nothing itself; --resume "
         "continues from the last checkpoint."
     )
+
+
+@pytest.mark.parametrize(
+    ("codes", "named"),
+    [
+        ({0: 1, 1: -9}, 1),  # the peer's lost connection in the same second as the kill
+        ({0: -15, 1: 2, 2: -15}, 1),  # torchrun SIGTERMs the rest after rank 1 explained itself
+        ({0: -15, 1: -15, 3: -6}, 3),  # an abort among the SIGTERMed
+        ({0: -15, 1: -15}, 0),
+    ],
+)
+def test_the_cause_among_failures_in_the_same_second(codes, named):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from qwentitan.launch.launcher.agent import _cause
+
+    failures = {r: ProcessFailure(r, 100 + r, c, "<N/A>") for r, c in codes.items()}
+    for failure in failures.values():
+        failure.timestamp = 1000  # whole seconds: a cascade of failures ties
+    failed = ChildFailedError("rank.py", failures)
+    assert _cause(failed)[0] == named
+    assert failed.get_first_failure()[0] == 0  # torchrun's own pick: the first in the table
