@@ -4,7 +4,9 @@ The plan writes a few variables every rank needs (`plan_env`: torchrun restarts,
 MLflow's HTTP limits) and records where each value came from; `check_shell` refuses, when the
 plan is resolved, a shell that would contradict it; `rank_env` lays the plan's variables over the
 shell when the ranks start. This is the only environment qwentitan.launch writes: the ranks'
-process environment, never its own `os.environ`.
+process environment, never its own `os.environ`. What `plan_env` may write is all a plan file
+may carry (`plan_env_refusal`): a file's `PYTHONPATH` or `LD_PRELOAD` would run code in every
+process of every node.
 
 The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's must be equal: the Neuron SDK
 does not support compiling for another LNC than the runtime's (aws-neuron/aws-neuron-sdk,

@@ -3,7 +3,7 @@
 A plan file is data that `slurm` writes and every node reads, so a node checks it as any input:
 each field's type, range and presence, before any value reaches torchtitan's parser (which
 imports the module an `--module` override names), torchrun or the ranks' environment. Its `env`
-may hold only what `plan_env` itself writes (`environment.plan_env_allows`), so a `PYTHONPATH`,
+may hold only what `plan_env` itself writes (`environment.plan_env_refusal`), so a `PYTHONPATH`,
 `LD_PRELOAD` or `PYTHONSTARTUP` in a file never reaches a process. A refusal is one sentence
 naming the field and the fix: write the file again with `slurm`.
 """
