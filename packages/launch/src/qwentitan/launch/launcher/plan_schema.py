@@ -10,7 +10,7 @@ naming the field and the fix: write the file again with `slurm`.
 
 from __future__ import annotations
 
-import reprlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,11 @@ from qwentitan.launch.launcher.request import RESUME_MODES, override_refusal
 
 __all__ = ["check_record"]
 
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 60
+
+def _shown(value: Any) -> str:
+    """A value as the JSON file spells it (`null`, `"two"`), cut short."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:56] + " ..."
 
 
 def _whole(low: int) -> Callable[[Any], str | None]:
@@ -48,7 +51,7 @@ def _overrides(value: Any) -> str | None:
         return "is not a list of torchtitan overrides (one string per word)"
     for word in value:
         if not isinstance(word, str) or "\0" in word:
-            return f"holds {_short.repr(word)}, which is not an override word"
+            return f"holds {_shown(word)}, which is not an override word"
         why = override_refusal(word)
         if why:
             return f"holds {word.split('=', 1)[0]} ({why})"
@@ -61,7 +64,7 @@ def _env(value: Any) -> str | None:
     for name, setting in value.items():
         why = plan_env_refusal(name, setting)
         if why:
-            return f"holds {_short.repr(name)}, {why}"
+            return f"holds {_shown(name)}, {why}"
     return None
 
 
@@ -104,5 +107,5 @@ def check_record(record: dict[str, Any], path: Path) -> None:
         why = check(record[name])
         if why:
             value = record[name]
-            shown = "" if isinstance(value, dict | list) else f" {_short.repr(value)}"
+            shown = "" if isinstance(value, dict | list) else f" {_shown(value)}"
             raise LaunchError(f"The plan file {path} is refused: its {name!r}{shown} {why}; {fix}.")
