@@ -150,7 +150,7 @@ def test_an_agent_killed_by_a_signal_is_one_line_and_128_plus_it(tmp_path, capfd
         f"subprocess.Popen([sys.executable, {str(rank)!r}], start_new_session=True)\n"
         f"while not pathlib.Path({str(tmp_path / 'ready')!r}).exists():\n"
         "    time.sleep(0.05)\n"
-        "time.sleep(1)  # the supervisor has seen the rank\n"
+        "time.sleep(2.5)  # the supervisor has seen the rank (it looks every second)\n"
         f"os.kill(os.getpid(), {int(sig)})\n"
     )
     code = supervise([sys.executable, str(agent)], dict(os.environ), poll_seconds=0.1)

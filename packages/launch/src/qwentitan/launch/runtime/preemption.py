@@ -54,6 +54,9 @@ STOPPED_EXIT = 75
 # tiny recipes takes about a second on a CPU; torchrun's agent SIGKILLs 30 s after a SIGTERM.
 OVERDUE_SECONDS = 20.0
 _active: PreemptionWatch | None = None
+# How often `SignalForwarder` looks up its targets while no signal waits, so that a child dying
+# without passing a signal on (a killed torchrun agent) leaves a recent list of them.
+_TARGETS_EVERY_S = 1.0
 
 
 class PreemptionWatch:
@@ -216,6 +219,7 @@ class SignalForwarder:
         if self.interrupting and self.received:
             raise KeyboardInterrupt
         delivered: dict[int, int] = {}  # target pid -> how many of `received` it has been sent
+        seen_at = -_TARGETS_EVERY_S
         self._running = True
         try:
             child = subprocess.Popen(
@@ -225,7 +229,11 @@ class SignalForwarder:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     code = child.wait(timeout=self.poll_seconds)
                     break
-                self.last_targets = self.targets(child.pid) or self.last_targets
+                # Who the targets are is read at once when a signal waits, and every few
+                # seconds else (reading the process table costs where thousands run).
+                if self.received or time.monotonic() >= seen_at + _TARGETS_EVERY_S:
+                    self.last_targets = self.targets(child.pid) or self.last_targets
+                    seen_at = time.monotonic()
                 for pid in self.last_targets if self.received else ():
                     for sig in self.received[delivered.get(pid, 0) :]:
                         with contextlib.suppress(ProcessLookupError):
