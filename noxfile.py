@@ -43,10 +43,30 @@ def _interpreter(version: str) -> str:
 
 # The trn2 host's Python (the Neuron wheels exist for 3.12-3.14 only); CI rehearses on it too.
 TRN2_PYTHON = "3.13"
+# What can differ on that Python and the Neuron SDK's torch/transformers pair: the model code
+# (both libraries), and in launch the stdlib's edges: argparse and the CLI's sentences, signals
+# and subprocesses, paths and venvs, pickled tokenizer and corpus, sqlite through MLflow, tyro.
+# The rest of tests/launch is plan arithmetic and text, the same on every Python.
+TRN2_PYTHON_TESTS = (
+    "tests/modeling",
+    *(
+        f"tests/launch/test_{name}.py"
+        for name in (
+            "package", "bad_input", "request", "train_cli", "preemption", "agent",
+            "trn2_host", "data", "tracking", "config_settings",
+        )
+    ),
+)  # fmt: skip
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
-    session.run("python", "-m", "pytest", *paths, *session.posargs)
+    session.run("python", "-m", "pytest", *paths, *PARALLEL, *session.posargs)
+
+
+# Two pytest-xdist workers: while one test waits (a process starting, a SLURM job, an install)
+# the other uses the core. A file stays on one worker (tests/conftest.py) and one training runs
+# at a time across them (the `training_slot` fixture).
+PARALLEL = ("-n", "2", "--dist", "loadgroup")
 
 
 @nox.session
@@ -68,16 +88,16 @@ def tests(session: nox.Session) -> None:
 def tests_trn2_python(session: nox.Session) -> None:
     """The CPU rehearsal on the trn2 host's Python with the Neuron SDK's torch and the AWS guide's
     Transformers (the `neuron-pair` group: torch 2.14.0, transformers 5.16.0; the other sessions
-    run the lock's newest): the launch and modeling tests (those marked slow are left to the
-    3.11 run) and a 10-step tiny training."""
+    run the lock's newest): what can differ by Python or by that pair (TRN2_PYTHON_TESTS; those
+    marked slow are left to the 3.11 run) and a 4-step tiny training."""
     _sync(session, "--all-packages", "--group", "test", "--group", "neuron-pair")
     session.run(
-        "python", "-m", "pytest", "tests/launch", "tests/modeling", "-m", "not slow",
-        "-p", "no:cacheprovider", *session.posargs,
+        "python", "-m", "pytest", *TRN2_PYTHON_TESTS, "-m", "not slow",
+        "-p", "no:cacheprovider", *PARALLEL, *session.posargs,
     )  # fmt: skip
     run_dir = Path(session.create_tmp()) / "tiny-train"
     session.run(
-        "qwentitan-launch", "train", "--steps", "10", "--run-dir", str(run_dir),
+        "qwentitan-launch", "train", "--steps", "4", "--run-dir", str(run_dir),
         env={"QWENTITAN_MLFLOW": "off"},
     )  # fmt: skip
 
@@ -123,11 +143,16 @@ print("qwentitan.{package} imports alone")
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks, as ratios against a baseline measured in the same run. `-- kernels` picks one."""
+    """Benchmarks, as ratios against a baseline measured in the same run. `-- kernels` picks one;
+    what follows the names goes to the scripts (`-- checkpoint --shapes qwen3-0.6b`)."""
     _sync(session, "--all-packages")
-    for script in sorted(Path("benchmarks").glob("bench_*.py")):
-        if not session.posargs or script.stem.removeprefix("bench_") in session.posargs:
-            session.run("python", str(script))
+    scripts = sorted(Path("benchmarks").glob("bench_*.py"))
+    names = {script.stem.removeprefix("bench_") for script in scripts}
+    picked = [arg for arg in session.posargs if arg in names]
+    options = [arg for arg in session.posargs if arg not in names]
+    for script in scripts:
+        if not picked or script.stem.removeprefix("bench_") in picked:
+            session.run("python", str(script), *options)
 
 
 @nox.session

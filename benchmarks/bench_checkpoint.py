@@ -7,15 +7,19 @@ folder, then runs, as a user would, in 3 interleaved rounds after one untimed wa
 
 - `python -c "import torch"`: what any converter pays before its first byte, subtracted;
 - `cp -r SRC COPY && sync`: the disk's own speed, the baseline;
+- `dd if=/dev/zero of=FILE bs=1M count=N conv=fdatasync` of the same byte count: the disk's
+  sequential write speed, nothing read, the second baseline;
 - `qwentitan-ckpt to-dcp SRC DCP` and `qwentitan-ckpt to-hf DCP BACK` (each syncs its output
   before renaming it into place, like the `sync` after `cp`).
 
-Prints each round, the medians, each converter's ratio to cp net of the bare torch import
-(cp seconds / (converter seconds - import torch seconds); goal >= 0.8), and each command's peak
+Prints the machine (cores, memory, load, file system), each round, the medians, each
+converter's ratio to cp and to dd net of the bare torch import (cp seconds / (converter seconds
+- import torch seconds); goals: to-hf >= 0.8, to-dcp >= 1.0), and each command's peak
 RSS (the child's own ru_maxrss from wait4; goal <= 1.5 GiB). Ends with `qwentitan-ckpt verify`
 of the source against the DCP and of the export against the DCP (bit for bit).
 
-Run: `uv run nox -s bench -- checkpoint` or `uv run python benchmarks/bench_checkpoint.py`.
+Run: `uv run nox -s bench -- checkpoint [--shapes qwen3-0.6b]` or
+`uv run python benchmarks/bench_checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import time
 from pathlib import Path
 
 GiB = 1 << 30
+DD_BLOCK = 1 << 20
+IMPORT, CP, DD = "python -c 'import torch'", "cp -r + sync", "dd conv=fdatasync"
 SHAPES = {
     "qwen3-1.7b": {
         "architectures": ["Qwen3ForCausalLM"],
@@ -98,11 +104,15 @@ SHAPES = {
     },
 }
 
+# Qwen3-0.6B's shapes (1.2 GB): the same kinds of tensors as 1.7B, for a loaded machine.
+SHAPES["qwen3-0.6b"] = SHAPES["qwen3-1.7b"] | {"hidden_size": 1024, "intermediate_size": 3072}
 
-def generate(folder: Path, config: dict, shard_bytes: int = 2 * 10**9) -> None:
-    """A Hub-style sharded bf16 folder, written one random tensor at a time."""
+
+def generate(folder: Path, config: dict, shards: int) -> None:
+    """A Hub-style bf16 folder of about `shards` equal shards, one random tensor at a time."""
     import torch
 
+    from qwentitan.checkpoint.disk import nbytes_of
     from qwentitan.checkpoint.layout import Qwen3Layout
     from qwentitan.checkpoint.safetensors_io import ShardedWriter
 
@@ -110,7 +120,11 @@ def generate(folder: Path, config: dict, shard_bytes: int = 2 * 10**9) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 151645}))
     shapes = Qwen3Layout.from_config(config, "bench").hf_shapes()
-    writer = ShardedWriter(folder, [(n, torch.bfloat16, s) for n, s in shapes.items()], shard_bytes)
+    entries = [(n, torch.bfloat16, s) for n, s in shapes.items()]
+    sizes = [nbytes_of(s, d) for _, d, s in entries]
+    # Filled in order, shards of this bound come out `shards` in number, not one more.
+    shard_bytes = -(-sum(sizes) // shards) + max(sizes)
+    writer = ShardedWriter(folder, entries, shard_bytes)
     g = torch.Generator().manual_seed(0)
     for name, shape in shapes.items():
         writer.write(name, torch.randn(shape, generator=g, dtype=torch.bfloat16))
@@ -133,22 +147,30 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def bench(name: str, root: Path, rounds: int, before: Path | None) -> None:
-    src, copy, dcp, back = (root / f"{name}-{x}" for x in ("hf", "copy", "dcp", "back"))
-    old_dcp, old_back = root / f"{name}-old-dcp", root / f"{name}-old-back"
-    print(f"== {name}: generating a sharded bf16 checkpoint in {src} ...", flush=True)
-    subprocess.run([sys.executable, __file__, "--generate", name, str(src)], check=True)
-    subprocess.run(["sync"], check=True)
-    size = folder_bytes(src)
-    print(f"   {size / 1e9:.2f} GB on disk", flush=True)
-    ckpt = shutil.which("qwentitan-ckpt", path=Path(sys.executable).parent) or shutil.which(
-        "qwentitan-ckpt"
-    )
-    if ckpt is None:
-        sys.exit("qwentitan-ckpt is not installed here; run `uv sync --all-packages`.")
+def _paths(base: Path) -> tuple[Path, ...]:
+    """source, cp's copy, DCP, export, the `--before` DCP and export, dd's file."""
+    kinds = ("hf", "copy", "dcp", "back", "old-dcp", "old-back", "dd")
+    return tuple(base.parent / f"{base.name}-{kind}" for kind in kinds)
+
+
+def _commands(
+    ckpt: str, size: int, base: Path, before: Path | None
+) -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:
+    """The timed commands, in the order each round runs them, and their environments."""
+    src, copy, dcp, back, old_dcp, old_back, raw = _paths(base)
     commands = {
-        "python -c 'import torch'": [sys.executable, "-c", "import torch"],
-        "cp -r + sync": ["sh", "-c", f'cp -r "{src}" "{copy}" && sync'],
+        IMPORT: [sys.executable, "-c", "import torch"],
+        CP: ["sh", "-c", f'cp -r "{src}" "{copy}" && sync'],
+        # The disk's sequential write speed for the same bytes, nothing read.
+        DD: [
+            "dd",
+            "if=/dev/zero",
+            f"of={raw}",
+            f"bs={DD_BLOCK}",
+            f"count={-(-size // DD_BLOCK)}",
+            "conv=fdatasync",
+            "status=none",
+        ],
         "qwentitan-ckpt to-dcp": [ckpt, "to-dcp", str(src), str(dcp)],
         "qwentitan-ckpt to-hf": [ckpt, "to-hf", str(dcp), str(back)],
     }
@@ -158,12 +180,31 @@ def bench(name: str, root: Path, rounds: int, before: Path | None) -> None:
         commands["before: to-hf"] = [ckpt, "to-hf", str(old_dcp), str(old_back)]
         old = dict(os.environ, PYTHONPATH=str(before))
         envs = {"before: to-dcp": old, "before: to-hf": old}
+    return commands, envs
+
+
+def bench(name: str, root: Path, rounds: int, before: Path | None, shards: int) -> None:
+    src, copy, dcp, back, old_dcp, old_back, raw = _paths(root / name)
+    print(f"== {name}: generating a {shards}-shard bf16 checkpoint in {src} ...", flush=True)
+    generator = [sys.executable, __file__, "--generate", name, str(src), str(shards)]
+    subprocess.run(generator, check=True)
+    subprocess.run(["sync"], check=True)
+    size = folder_bytes(src)
+    print(f"   {size / 1e9:.2f} GB on disk", flush=True)
+    _describe_machine(root)
+    ckpt = shutil.which("qwentitan-ckpt", path=Path(sys.executable).parent) or shutil.which(
+        "qwentitan-ckpt"
+    )
+    if ckpt is None:
+        sys.exit("qwentitan-ckpt is not installed here; run `uv sync --all-packages`.")
+    commands, envs = _commands(ckpt, size, root / name, before)
     times: dict[str, list[float]] = {label: [] for label in commands}
     cpu: dict[str, list[float]] = {label: [] for label in commands}
     rss: dict[str, int] = {}
     for attempt in range(rounds + 1):  # round 0 warms the page cache and is not counted
         for folder in (copy, dcp, back, old_dcp, old_back):
             shutil.rmtree(folder, ignore_errors=True)
+        raw.unlink(missing_ok=True)
         subprocess.run(["sync"], check=True)
         got = {label: run(argv, envs.get(label)) for label, argv in commands.items()}
         if attempt == 0:
@@ -176,32 +217,7 @@ def bench(name: str, root: Path, rounds: int, before: Path | None) -> None:
             f"   round {attempt}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in got.items()),
             flush=True,
         )
-    median = {label: statistics.median(t) for label, t in times.items()}
-    median_cpu = {label: statistics.median(t) for label, t in cpu.items()}
-    torch_s, copy_s = median["python -c 'import torch'"], median["cp -r + sync"]
-    torch_cpu = median_cpu["python -c 'import torch'"]
-    print(
-        f"\n{name}, {size / 1e9:.2f} GB, warm page cache: median of {rounds} interleaved rounds; "
-        "ratio = cp / (command - import torch), goal >= 0.8; peak RSS goal <= 1.5 GiB"
-    )
-    print(
-        "(CPU s: user + system of the command; on a shared machine wall time follows the load, "
-        "CPU time much less)"
-    )
-    print(
-        "\n| command | median s | rounds s | x cp, net of import torch | CPU s | CPU s net of "
-        "import torch | peak RSS GiB |"
-    )
-    print("|---|---:|---|---:|---:|---:|---:|")
-    for label, seconds in median.items():
-        ratio = net_cpu = "-"
-        if "to-" in label:
-            ratio = f"{copy_s / (seconds - torch_s):.2f}"
-            net_cpu = f"{median_cpu[label] - torch_cpu:.2f}"
-        print(
-            f"| `{label}` | {seconds:.2f} | {' / '.join(f'{t:.2f}' for t in times[label])} "
-            f"| {ratio} | {median_cpu[label]:.2f} | {net_cpu} | {rss[label] / GiB:.2f} |"
-        )
+    _report(name, size, rounds, times, cpu, rss)
     for a, b in ((src, dcp), (back, dcp)):
         proc = subprocess.run([ckpt, "verify", str(a), str(b)], capture_output=True, text=True)
         print(f"\nverify {a.name} against {b.name}: {proc.stdout.strip().splitlines()[-1]}")
@@ -209,13 +225,67 @@ def bench(name: str, root: Path, rounds: int, before: Path | None) -> None:
             raise SystemExit(proc.stdout + proc.stderr)
 
 
+def _report(
+    name: str,
+    size: int,
+    rounds: int,
+    times: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    rss: dict[str, int],
+) -> None:
+    """The table: medians, each converter against cp and dd net of the bare torch import."""
+    median = {label: statistics.median(t) for label, t in times.items()}
+    median_cpu = {label: statistics.median(t) for label, t in cpu.items()}
+    torch_s, torch_cpu = median[IMPORT], median_cpu[IMPORT]
+    print(
+        f"\n{name}, {size / 1e9:.2f} GB, warm page cache: median of {rounds} interleaved rounds; "
+        "x cp = cp / (command - import torch), goal >= 0.8 (to-hf), >= 1.0 (to-dcp); x dd "
+        "likewise against a sequential write of the same bytes; peak RSS goal <= 1.5 GiB"
+    )
+    print(f"load average after the rounds: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        "\n| command | median s | rounds s | x cp | x dd | CPU s | CPU s net of import torch "
+        "| peak RSS GiB |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for label, seconds in median.items():
+        x_cp = x_dd = net_cpu = "-"
+        if "to-" in label:
+            x_cp = f"{median[CP] / (seconds - torch_s):.2f}"
+            x_dd = f"{median[DD] / (seconds - torch_s):.2f}"
+            net_cpu = f"{median_cpu[label] - torch_cpu:.2f}"
+        print(
+            f"| `{label}` | {seconds:.2f} | {' / '.join(f'{t:.2f}' for t in times[label])} "
+            f"| {x_cp} | {x_dd} | {median_cpu[label]:.2f} | {net_cpu} | {rss[label] / GiB:.2f} |"
+        )
+
+
+def _describe_machine(root: Path) -> None:
+    """Where the numbers come from: cores, memory, load and the file system written to."""
+    fs = subprocess.run(
+        ["df", "--output=fstype,source", str(root)], capture_output=True, text=True
+    ).stdout.split()[-2:]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    print(
+        f"   machine: {os.cpu_count()} cores, {memory:.0f} GiB memory, load average "
+        f"{os.getloadavg()[0]:.2f}; {root} on {' '.join(fs)}",
+        flush=True,
+    )
+
+
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--generate":
-        generate(Path(sys.argv[3]), SHAPES[sys.argv[2]])
+    if len(sys.argv) == 5 and sys.argv[1] == "--generate":
+        generate(Path(sys.argv[3]), SHAPES[sys.argv[2]], int(sys.argv[4]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-1.7b"], choices=list(SHAPES))
     parser.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds")
+    parser.add_argument(
+        "--source-shards",
+        type=int,
+        default=2,
+        help="at most this many shards in the generated source (Hub: 2)",
+    )
     parser.add_argument("--workdir", default=tempfile.gettempdir(), help="where the data goes")
     parser.add_argument(
         "--before",
@@ -227,7 +297,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.workdir))
     try:
         for name in args.shapes:
-            bench(name, root, args.rounds, args.before)
+            bench(name, root, args.rounds, args.before, args.source_shards)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

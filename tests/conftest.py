@@ -8,12 +8,44 @@ so they are set for the whole session; a test about tracking sets its own.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as CI runs) a file's tests stay on one
+    worker, so a module fixture's training runs once; files that share a session fixture's
+    training name one `xdist_group` of their own and stay together."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+@pytest.fixture(scope="session")
+def training_slot(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """One training at a time across pytest-xdist's workers: each trains on both cores, so two at
+    once would only slow each other (and stretch the signal tests' waits). A lock file in the
+    folder all workers share; without xdist, a lock nobody else takes."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    lock = shared / "one-training.lock"
+
+    @contextlib.contextmanager
+    def slot() -> Iterator[None]:
+        with lock.open("w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    return slot
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,6 +56,9 @@ def hermetic_environment(tmp_path_factory: pytest.TempPathFactory):
         patch.setenv("QWENTITAN_CACHE", str(root / "cache"))
         patch.setenv("QWENTITAN_MLFLOW", "off")
         patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        # No rank polls a real instance metadata service for spot notices (runtime.spot); the
+        # tests of the watcher point it at a loopback stand-in.
+        patch.setenv("AWS_EC2_METADATA_DISABLED", "true")
         # Libraries' own caches and settings (Hugging Face, Chromium's profile helpers).
         patch.setenv("HF_HOME", str(root / "huggingface"))
         patch.setenv("XDG_CACHE_HOME", str(root / "xdg-cache"))
@@ -61,8 +96,13 @@ def _train(argv: Sequence[str], log: Path) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="session")
-def train_in_process() -> Callable[[Sequence[str], Path], tuple[int, str]]:
+def train_in_process(training_slot) -> Callable[[Sequence[str], Path], tuple[int, str]]:
     """`qwentitan-launch train ARGV` called in this process (torchrun and the ranks are still
     processes); returns the exit code and everything the launcher and its ranks printed, which
     is also left in the file `log`. For tests whose subject is not the launcher's process tree."""
-    return _train
+
+    def train(argv: Sequence[str], log: Path) -> tuple[int, str]:
+        with training_slot():
+            return _train(argv, log)
+
+    return train

@@ -152,6 +152,18 @@ def load_dcp(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def one_line_error(capsys, *argv) -> str:
+    """Run the CLI: it must exit 2 with one `qwentitan-ckpt: error:` line, returned."""
+    from qwentitan.checkpoint.cli import main
+
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qwentitan-ckpt: error: "), err
+    return lines[0]
+
+
 @pytest.fixture
 def helpers():
     """The module's plain helpers, for tests (conftest is not importable under importlib mode)."""
@@ -159,6 +171,7 @@ def helpers():
 
     return types.SimpleNamespace(
         load_hf=load_hf,
+        one_line_error=one_line_error,
         load_dcp=load_dcp,
         bitwise_equal=bitwise_equal,
         hf_tensors=hf_tensors,

@@ -165,6 +165,24 @@ def test_bad_dtype_and_shard_size_are_user_errors(make_hf, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("size", ["1e400GB", "inf", "nan", "-infMB", "1e309", "0.5"])
+def test_a_shard_size_beyond_reason_is_one_sentence(make_hf, capsys, tmp_path, size):
+    to_dcp(make_hf(), tmp_path / "dcp")
+    err = assert_refused(
+        capsys, tmp_path, ["to-hf", tmp_path / "dcp", tmp_path / "out", f"--max-shard-size={size}"]
+    )
+    assert "--max-shard-size" in err and repr(size) in err
+
+
+@pytest.mark.parametrize("dst", ["/proc/qwentitan-x", "/proc/qwentitan-x/y", "/sys/qwentitan-x"])
+def test_a_folder_that_takes_no_files_is_not_called_full(make_hf, capsys, tmp_path, dst):
+    to_dcp(make_hf(), tmp_path / "dcp")
+    code, err = run_cli(capsys, "to-hf", tmp_path / "dcp", dst)
+    assert code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "cannot write" in err and "no space" not in err, err
+
+
 def test_failure_midway_leaves_no_output_and_source_untouched(make_hf, tmp_path, monkeypatch):
     src = make_hf(moe=True, tied=False)
     before = {p.name: p.read_bytes() for p in src.iterdir()}

@@ -29,10 +29,10 @@ def test_hf_to_dcp_to_hf_is_bitwise_identical(
     assert before.keys() == after.keys()
     for name in before:
         assert helpers.bitwise_equal(before[name], after[name]), name
-    assert sorted(p.name for p in (tmp_path / "back").glob("*.safetensors")) == [
-        "model.safetensors"
-    ]
-    assert not (tmp_path / "back" / "model.safetensors.index.json").exists()  # as save_pretrained
+    # Sharded as the source was (two shards and an index, make_hf's default).
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    back_index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert back_index["weight_map"] == index
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
         (src / "config.json").read_text()
     )
@@ -180,6 +180,44 @@ def test_writeback_starts_for_every_tensor_byte(make_hf, helpers, tmp_path, monk
             assert start == covered, shard.name
             covered = stop
         assert covered == shard.stat().st_size, shard.name
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_to_hf_shards_as_the_source_was_unless_told(make_hf, helpers, tmp_path, shards):
+    src = make_hf(moe=True, tied=False, shards=shards)
+    to_dcp(src, tmp_path / "dcp")
+    to_hf(tmp_path / "dcp", tmp_path / "back")
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == sorted(
+        p.name for p in src.iterdir()
+    )
+    if shards > 1:
+        index = "model.safetensors.index.json"
+        assert (
+            json.loads((tmp_path / "back" / index).read_text())["weight_map"]
+            == json.loads((src / index).read_text())["weight_map"]
+        )
+    before, after = helpers.load_hf(src), helpers.load_hf(tmp_path / "back")
+    assert all(helpers.bitwise_equal(before[k], after[k]) for k in before)
+    # --max-shard-size, or a --dtype that changes the sizes, shards by size as before.
+    to_hf(tmp_path / "dcp", tmp_path / "sized", max_shard_size="1GB")
+    assert [p.name for p in (tmp_path / "sized").glob("*.safetensors")] == ["model.safetensors"]
+    to_hf(tmp_path / "dcp", tmp_path / "cast", dtype="float32")
+    assert [p.name for p in (tmp_path / "cast").glob("*.safetensors")] == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "/tmp/x.safetensors", "a/b.safetensors"])
+def test_a_shard_plan_naming_files_outside_the_output_is_refused(make_hf, tmp_path, name):
+    from qwentitan.checkpoint import CheckpointError
+    from qwentitan.checkpoint.convert import SHARD_PLAN
+
+    to_dcp(make_hf(), tmp_path / "dcp")
+    plan = json.loads((tmp_path / "dcp" / SHARD_PLAN).read_text())
+    first = sorted(plan["weight_map"])[0]
+    plan["weight_map"][first] = name
+    (tmp_path / "dcp" / SHARD_PLAN).write_text(json.dumps(plan))
+    with pytest.raises(CheckpointError, match="plain file name"):
+        to_hf(tmp_path / "dcp", tmp_path / "back")
+    assert not (tmp_path / "back").exists() and not (tmp_path / "x.safetensors").exists()
 
 
 def test_copies_into_one_shard_take_turns(make_hf, helpers, tmp_path, monkeypatch):

@@ -19,13 +19,9 @@ from qwentitan.checkpoint import (
 from qwentitan.checkpoint.cli import main
 
 
-def one_line_error(capsys, *argv) -> str:
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qwentitan-ckpt: error: "), err
-    return lines[0]
+@pytest.fixture
+def one_line_error(helpers):
+    return helpers.one_line_error
 
 
 class _Payload:
@@ -39,7 +35,9 @@ class _Payload:
 
 
 @pytest.mark.parametrize("verb", ["to-hf", "verify"])
-def test_a_pickled_payload_as_metadata_is_never_run(make_hf, capsys, tmp_path, verb):
+def test_a_pickled_payload_as_metadata_is_never_run(
+    one_line_error, make_hf, capsys, tmp_path, verb
+):
     src = make_hf()
     to_dcp(src, tmp_path / "dcp")
     marker = tmp_path / "marker"
@@ -104,7 +102,7 @@ def test_to_dcp_metadata_is_what_dcp_save_writes(make_hf, helpers, tmp_path, mon
     assert {i.fqn for i in ours.storage_data} == {i.fqn for i in theirs.storage_data}
 
 
-def test_a_destination_that_is_a_symlink_loop(make_hf, capsys, tmp_path):
+def test_a_destination_that_is_a_symlink_loop(one_line_error, make_hf, capsys, tmp_path):
     src = make_hf()
     os.symlink(tmp_path / "loop", tmp_path / "loop")
     line = one_line_error(capsys, "to-dcp", src, tmp_path / "loop" / "out")
@@ -133,7 +131,9 @@ def _add_head(folder, head: torch.Tensor) -> None:
     save_file(tensors | {"lm_head.weight": head}, file, metadata={"format": "pt"})
 
 
-def test_to_dcp_refuses_a_tied_config_over_a_different_head(make_hf, helpers, capsys, tmp_path):
+def test_to_dcp_refuses_a_tied_config_over_a_different_head(
+    one_line_error, make_hf, helpers, capsys, tmp_path
+):
     src = make_hf(tied=True, shards=1)
     embedding = helpers.load_hf(src)["model.embed_tokens.weight"]
     head = embedding.clone()

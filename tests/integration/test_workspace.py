@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.metadata
+import json
 import pathlib
 
 import qwentitan
@@ -15,8 +16,16 @@ def test_qwentitan_is_a_namespace_shared_by_four_distributions():
         pathlib.Path(importlib.import_module(f"qwentitan.{p}").__file__).parent.parent
         for p in PACKAGES
     }
-    # Editable installs put each package's src/qwentitan on the path: four roots, one namespace.
-    assert len(roots) in (1, 4)
+    # Editable installs put each package's src/qwentitan on the path: four roots, one namespace;
+    # installed wheels share one site-packages/qwentitan.
+    editable = {_editable(f"qwentitan-{p}") for p in PACKAGES}
+    assert len(editable) == 1, "the four packages are installed the same way"
+    assert len(roots) == (4 if editable.pop() else 1), roots
+
+
+def _editable(distribution: str) -> bool:
+    direct_url = importlib.metadata.distribution(distribution).read_text("direct_url.json")
+    return bool(direct_url and json.loads(direct_url).get("dir_info", {}).get("editable"))
 
 
 def test_each_distribution_declares_only_the_siblings_the_design_allows():

@@ -63,3 +63,70 @@ def torchtitan_recipes(monkeypatch):
         monkeypatch.setitem(recipes._RECIPES, name, entry)
     monkeypatch.setitem(sys.modules, module.__name__, module)
     return names
+
+
+class MetadataStandIn:
+    """A loopback stand-in of EC2's instance metadata service (IMDSv2): a token from
+    `PUT /latest/api/token`, then `spot/instance-action` answers 404 until `notify()`, and 401
+    to a request without the token. `url` is what AWS_EC2_METADATA_SERVICE_ENDPOINT names."""
+
+    TOKEN = "stand-in-token"
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.notice: str | None = None
+        self.requests: list[tuple[str, str, int]] = []
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                ok = self.path == "/latest/api/token" and self.headers.get(
+                    "X-aws-ec2-metadata-token-ttl-seconds"
+                )
+                self._answer(200 if ok else 400, stand_in.TOKEN if ok else "")
+
+            def do_GET(self) -> None:
+                if self.headers.get("X-aws-ec2-metadata-token") != stand_in.TOKEN:
+                    self._answer(401, "")
+                elif self.path == "/latest/meta-data/spot/instance-action" and stand_in.notice:
+                    self._answer(200, stand_in.notice)
+                else:
+                    self._answer(404, "")
+
+            def _answer(self, code: int, body: str) -> None:
+                stand_in.requests.append((self.command, self.path, code))
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def notify(self, action: str = "terminate") -> None:
+        """Begin answering the two-minute notice, as EC2 does when it reclaims the instance."""
+        import json
+        from datetime import UTC, datetime, timedelta
+
+        when = (datetime.now(UTC) + timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.notice = json.dumps({"action": action, "time": when})
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def metadata_service() -> Iterator[MetadataStandIn]:
+    """A `MetadataStandIn` on a free loopback port, closed after the test."""
+    stand_in = MetadataStandIn()
+    try:
+        yield stand_in
+    finally:
+        stand_in.close()

@@ -151,3 +151,43 @@ def test_init_ops_check_refuses_trunc_normal_on_a_neuron_plan():
     assert "refused on neuron plans only" in check_init_ops(tiny).detail
     hf = check_init_ops(resolve_plan(RunRequest(recipe="qwen3_4b_hf")))
     assert hf.status == "skip" and "transformers" in hf.detail
+
+
+_MOUNTS = """\
+/dev/nvme0n1p1 / ext4 rw,relatime 0 0
+10.0.0.5@tcp:/abcdefgh /fsx lustre rw,flock 0 0
+fs-0123.efs.us-east-1.amazonaws.com:/ /mnt/efs nfs4 rw,vers=4.1 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("nodes", "cache", "status", "says"),
+    [
+        (2, None, "warn", "each of the 2 nodes compiles every graph again; pass --compile-cache"),
+        (2, "/fsx/neuron-compile-cache", "pass", "on lustre (/fsx): the 2 nodes share it"),
+        (4, "/mnt/efs/neff", "pass", "on nfs4 (/mnt/efs): the 4 nodes share it"),
+        (2, "/fsxdata/neff", "warn", "on this host's ext4 at /"),
+        (1, None, "pass", "one node"),
+    ],
+)
+def test_compile_cache_warns_when_a_multi_node_plan_compiles_on_every_host(
+    nodes, cache, status, says
+):
+    from qwentitan.launch.launcher.preflight.compile_cache import check_compile_cache
+
+    request = RunRequest(recipe="qwen3_4b_native", nodes=nodes, compile_cache=cache)
+    result = check_compile_cache(resolve_plan(request, shell={}), mounts=_MOUNTS)
+    assert result.status == status and says in result.detail, result.detail
+    if cache is None:  # the default, under the home folder
+        assert result.figures["source"] == "default"
+
+
+def test_a_warning_is_reported_but_does_not_fail_preflight():
+    report = PreflightReport("r", "trn2.48xlarge", "here (cpu)")
+    report.checks += [
+        CheckResult("compile_cache", "warn", "per host"),
+        CheckResult("disk", "pass", "ok"),
+    ]
+    assert report.passed and report.warned == ["compile_cache"]
+    assert report.render().splitlines()[-1] == "preflight PASSED (1 warned: compile_cache)"
+    assert report.to_dict()["warned"] == ["compile_cache"]

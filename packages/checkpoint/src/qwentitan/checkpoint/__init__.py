@@ -17,6 +17,7 @@ _LAZY = {
     "VerifyReport": "qwentitan.checkpoint.verification",
     "read_config": "qwentitan.checkpoint.layout",
     "read_dcp_metadata": "qwentitan.checkpoint.dcp_metadata",
+    "safe_reader_for": "qwentitan.checkpoint.safe_reader",
     "to_dcp": "qwentitan.checkpoint.convert",
     "to_hf": "qwentitan.checkpoint.convert",
     "verify": "qwentitan.checkpoint.verification",

@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", help="export dtype: bfloat16, float32 or float16 (default: as stored)"
     )
-    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB (default)")
+    p.add_argument(
+        "--max-shard-size",
+        help="largest shard, e.g. 5GB (default: as the source was sharded when to-dcp recorded "
+        "it and --dtype keeps the sizes, else 5GB)",
+    )
     p.add_argument(
         "--allow-overflow",
         action="store_true",

@@ -6,9 +6,6 @@ import json
 import os
 import re
 import shutil
-import threading
-import warnings
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,8 @@ import torch
 from qwentitan.checkpoint import dcp_read, dcp_write
 from qwentitan.checkpoint.disk import differing_elements, nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
+from qwentitan.checkpoint.files import member
+from qwentitan.checkpoint.hf_export import Exporter, dtype_name
 from qwentitan.checkpoint.layout import (
     DTYPES,
     NON_MODEL_PREFIXES,
@@ -25,12 +24,19 @@ from qwentitan.checkpoint.layout import (
     read_config,
 )
 from qwentitan.checkpoint.output import byte_progress, check_destination, staged_folder
-from qwentitan.checkpoint.safetensors_io import HFFolder, ShardedWriter, parse_size
+from qwentitan.checkpoint.safetensors_io import (
+    DEFAULT_SHARD_SIZE,
+    SHARD_PLAN,
+    Entry,
+    HFFolder,
+    ShardedWriter,
+    parse_size,
+)
 
 # Disk-bound work: a few threads keep the disk busy; more only add memory.
 THREADS = max(2, min(4, os.cpu_count() or 2))
-# Tensors in flight at once (bytes). A single larger piece still goes through, alone.
-MEMORY_BUDGET = 512 << 20
+# Whether threads copying into one output shard take turns (see ShardedWriter).
+SERIAL_SHARDS = True
 # DCP pieces: tensors larger than this are written as row chunks along dim 0, so a 150k-vocab
 # embedding or a layer's stacked experts streams through the writer threads in parts.
 CHUNK_BYTES = 32 << 20
@@ -49,6 +55,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     hf = HFFolder(src)
     config, config_file = read_config(src)
     layout = Qwen3Layout.from_config(config, config_file)
+    layout.check_held(hf.shapes, config_file, src)
     check_hf_tensors(hf, layout, config_file)
 
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -93,6 +100,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
         for name in _SIDE_FILES:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
+        write_shard_plan(tmp, hf)
     return dst
 
 
@@ -133,7 +141,7 @@ def check_hf_tensors(hf: HFFolder, layout: Qwen3Layout, config_file: Path) -> No
             )
         if not stored.dtype.is_floating_point:
             raise CheckpointError(
-                f"tensor {name!r} in {stored.file} is {_dtype_name(stored.dtype)}, but model "
+                f"tensor {name!r} in {stored.file} is {dtype_name(stored.dtype)}, but model "
                 "weights are floating point; re-export the checkpoint with floating-point weights."
             )
     if layout.tie_word_embeddings and "lm_head.weight" in hf.tensors:
@@ -179,7 +187,7 @@ def to_hf(
     *,
     config: str | os.PathLike | None = None,
     dtype: str | torch.dtype | None = None,
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int | None = None,
     overwrite: bool = False,
     allow_overflow: bool = False,
 ) -> Path:
@@ -191,9 +199,46 @@ def to_hf(
     rounded to 0 are counted in a warning. Experts are unstacked, the tied lm_head and
     torchtitan-only buffers dropped (a tied config with a head that differs from the
     embedding is refused); optimizer and other training state in the DCP folder are ignored.
+    Shards: as the source was sharded when `to_dcp` recorded it and neither `max_shard_size`
+    nor a `dtype` that changes sizes is given, else shards of at most `max_shard_size` (5GB).
     """
     src, dst = Path(src), Path(dst)
     ckpt = dcp_read.DCPFolder(src)
+    cfg, config_file, config = _export_config(src, config)
+    layout = Qwen3Layout.from_config(cfg, config_file)
+    layout.check_held(ckpt.held_shapes(), config_file, src)
+    export_dtype = _dtype(dtype)
+    shard_bytes = parse_size(max_shard_size or DEFAULT_SHARD_SIZE)
+    tensors = check_dcp_tensors(ckpt, layout, config_file)
+    if layout.tie_word_embeddings:
+        check_tied_head(ckpt, config_file)
+    exported = [t for t in tensors if t.exported and t.hf_names]
+    entries = _hf_entries(ckpt, exported, export_dtype)
+    files = None
+    if max_shard_size is None and all(
+        export_dtype in (None, ckpt.tensors[t.name][1]) for t in exported
+    ):
+        files = read_shard_plan(src, [name for name, _, _ in entries])
+    total = sum(nbytes_of(s, d) for _, d, s in entries)
+    needs = _space_needed(total, len(entries))
+    check_destination(src, dst, overwrite, kind="hf", needs=needs)
+    exporter = Exporter(ckpt, export_dtype, allow_overflow)
+    with (
+        staged_folder(dst, needs) as tmp,
+        byte_progress(f"to-hf {src.name}", total) as advance,
+    ):
+        writer = ShardedWriter(tmp, entries, shard_bytes, files, serial=SERIAL_SHARDS)
+        bias = [t for t in tensors if not t.hf_names]
+        exporter.run(writer, advance, exported + bias, THREADS)
+        _write_side_files(tmp, cfg, Path(config), export_dtype)
+    exporter.warn()
+    return dst
+
+
+def _export_config(
+    src: Path, config: str | os.PathLike | None
+) -> tuple[dict[str, Any], Path, str | os.PathLike]:
+    """The config.json to export with: `config`, else the one `to_dcp` left in `src`."""
     if config is None:
         if not (src / "config.json").is_file():
             raise CheckpointError(
@@ -202,148 +247,47 @@ def to_hf(
             )
         config = src
     cfg, config_file = read_config(config)
-    layout = Qwen3Layout.from_config(cfg, config_file)
-    export_dtype = _dtype(dtype)
-    shard_bytes = parse_size(max_shard_size)
-    tensors = check_dcp_tensors(ckpt, layout, config_file)
-    if layout.tie_word_embeddings:
-        check_tied_head(ckpt, config_file)
+    return cfg, config_file, config
 
-    exported = [t for t in tensors if t.exported and t.hf_names]
+
+def _hf_entries(
+    ckpt: dcp_read.DCPFolder, exported: list[TitanTensor], dtype: torch.dtype | None
+) -> list[Entry]:
+    """The Hugging Face tensors an export writes, in model order: (name, dtype, shape)."""
     entries = []
     for t in exported:
-        out_dtype = export_dtype or ckpt.tensors[t.name][1]
+        out_dtype = dtype or ckpt.tensors[t.name][1]
         per = t.shape[1:] if t.stacked else t.shape
         entries += [(name, out_dtype, per) for name in t.hf_names]
-    total = sum(nbytes_of(s, d) for _, d, s in entries)
-    needs = _space_needed(total, len(entries))
-    check_destination(src, dst, overwrite, kind="hf", needs=needs)
-    budget = dcp_read.MemoryBudget(MEMORY_BUDGET)
-    dropped_bias: set[str] = set()
-    losses = _CastLosses(export_dtype, allow_overflow, src)
-
-    def export(t: TitanTensor, rows: dcp_read.Rows) -> None:
-        # One piece at a time: a row chunk of the DCP (a training job's dim-0 shard, or what
-        # to_dcp wrote), else the whole tensor; experts stacked on dim 0 unstack per chunk.
-        shape = ckpt.tensors[t.name][0]
-        piece = (rows.stop - rows.start, *shape[1:])
-        cast = 0 if export_dtype is None else nbytes_of(piece, export_dtype)
-        if export_dtype is None and t.hf_names and rows.file is not None:
-            copy_file_to_file(t, rows, shape)
-            return
-        with budget.hold(rows.cost + cast):
-            value = ckpt.load_rows(rows)
-            if not t.hf_names:
-                if value.any():
-                    dropped_bias.add(t.name)
-                return
-            if export_dtype is not None:
-                value = losses.cast(t.name, value)
-            if t.stacked:
-                names = t.hf_names[rows.start : rows.stop]
-                for name, part in zip(names, value.unbind(0), strict=True):
-                    writer.write(name, part)
-                    advance(part.nbytes)
-            else:
-                at = rows.start * nbytes_of(shape[1:], value.dtype)
-                writer.write(t.hf_names[0], value, offset=at)
-                advance(value.nbytes)
-
-    def copy_file_to_file(t: TitanTensor, rows: dcp_read.Rows, shape) -> None:
-        # The piece's bytes lie as they are in its DCP file: no load, copied in the kernel.
-        dtype = ckpt.tensors[t.name][1]
-        if not t.stacked:
-            nbytes = nbytes_of((rows.stop - rows.start, *shape[1:]), dtype)
-            at = rows.start * nbytes_of(shape[1:], dtype)
-            writer.copy(t.hf_names[0], rows.file, rows.data, nbytes, at)
-            advance(nbytes)
-            return
-        expert = nbytes_of(shape[1:], dtype)
-        names = t.hf_names[rows.start : rows.stop]
-        # Experts lie one after another in the shard as in the chunk: one copy per unbroken run.
-        i = 0
-        while i < len(names):
-            j = i + 1
-            while j < len(names) and writer.follows(names[j], names[j - 1]):
-                j += 1
-            nbytes = (j - i) * expert
-            writer.copy(names[i], rows.file, rows.data + i * expert, nbytes)
-            advance(nbytes)
-            i = j
-
-    with (
-        staged_folder(dst, needs) as tmp,
-        byte_progress(f"to-hf {src.name}", total) as advance,
-    ):
-        writer = ShardedWriter(tmp, entries, shard_bytes)
-        pool = ThreadPoolExecutor(THREADS)
-        try:
-            bias = [t for t in tensors if not t.hf_names]
-            futures = [
-                pool.submit(export, t, rows) for t in exported + bias for rows in ckpt.rows(t.name)
-            ]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                if f.done() and not f.cancelled():
-                    f.result()
-        finally:
-            # On a failure or a signal, what has not started is dropped, not run to the end.
-            pool.shutdown(wait=True, cancel_futures=True)
-            writer.close(sync=False)  # staged_folder syncs the folder before the rename
-        _write_side_files(tmp, cfg, Path(config), export_dtype)
-    losses.warn()
-    if dropped_bias:
-        warnings.warn(
-            f"{len(dropped_bias)} MoE layers of {src} have a non-zero expert_bias_E (torchtitan's "
-            "load-balancing bias), which Hugging Face Qwen3-MoE has no place for; the export "
-            "routes tokens without it.",
-            stacklevel=2,
-        )
-    return dst
+    return entries
 
 
-class _CastLosses:
-    """What an export dtype does to values out of its range, counted over a whole export:
-    finite values that become inf (refused unless allowed) and non-zero ones that become 0."""
+def write_shard_plan(folder: Path, hf: HFFolder) -> None:
+    """Record, beside a DCP, which file of the source folder held each tensor."""
+    plan = {"weight_map": {name: stored.file.name for name, stored in hf.tensors.items()}}
+    (folder / SHARD_PLAN).write_text(json.dumps(plan, indent=1, sort_keys=True) + "\n")
 
-    def __init__(self, dtype: torch.dtype | None, allow_overflow: bool, src: Path):
-        self.dtype, self.allow_overflow, self.src = dtype, allow_overflow, src
-        self.overflowed: dict[str, int] = {}
-        self.underflowed: dict[str, int] = {}
-        self._lock = threading.Lock()
 
-    def cast(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        out = value.to(self.dtype)
-        if out.dtype == value.dtype:
-            return out
-        overflowed = int((torch.isfinite(value) & torch.isinf(out)).sum())
-        underflowed = int(((value != 0) & (out == 0)).sum())
-        if overflowed and not self.allow_overflow:
-            raise CheckpointError(
-                f"--dtype {_dtype_name(self.dtype)} would turn finite values of {name!r} in "
-                f"{self.src} into inf (largest |value| {float(value.abs().max()):.4g}, "
-                f"{_dtype_name(self.dtype)} holds at most {torch.finfo(self.dtype).max:g}); "
-                "export as bfloat16 or float32, or pass --allow-overflow to accept it."
-            )
-        with self._lock:
-            for counts, n in ((self.overflowed, overflowed), (self.underflowed, underflowed)):
-                if n:
-                    counts[name] = counts.get(name, 0) + n
-        return out
-
-    def warn(self) -> None:
-        dtype = _dtype_name(self.dtype) if self.dtype else ""
-        for counts, what in (
-            (self.overflowed, "finite values into inf (--allow-overflow)"),
-            (self.underflowed, "non-zero values into 0 (below its smallest subnormal)"),
-        ):
-            if counts:
-                first = min(counts)
-                warnings.warn(
-                    f"--dtype {dtype} turned {sum(counts.values())} {what} in "
-                    f"{len(counts)} tensor(s), e.g. {counts[first]} in {first!r}",
-                    stacklevel=3,
-                )
+def read_shard_plan(src: Path, names: list[str]) -> dict[str, str] | None:
+    """The source's tensor -> file map `to_dcp` recorded in `src`, when it covers exactly the
+    tensors exported (a DCP of another origin, or exported with another config, has none)."""
+    path = src / SHARD_PLAN
+    if not path.is_file():
+        return None
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError):
+        raise CheckpointError(
+            f"{path} is not a valid shard plan; delete it (to-hf then shards by size) or pass "
+            "--max-shard-size."
+        ) from None
+    for file in weight_map.values():
+        # Plain names only: the export creates these files inside its own folder.
+        member(src, file if str(file).endswith(".safetensors") else None, path)
+    if set(weight_map) != set(names):
+        return None
+    return {name: weight_map[name] for name in names}
 
 
 def check_tied_head(ckpt: dcp_read.DCPFolder, config_file: Path) -> None:
@@ -368,10 +312,6 @@ def check_tied_head(ckpt: dcp_read.DCPFolder, config_file: Path) -> None:
 def _space_needed(total: int, files: int) -> int:
     """Bytes a conversion writes: the tensors, plus headers per file or tensor and side files."""
     return total + 4096 * files + (64 << 10)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -408,7 +348,7 @@ def check_dcp_tensors(
             )
         if not dtype.is_floating_point:
             raise CheckpointError(
-                f"tensor {t.name!r} in {ckpt.path} is {_dtype_name(dtype)}, but model weights "
+                f"tensor {t.name!r} in {ckpt.path} is {dtype_name(dtype)}, but model weights "
                 "are floating point; re-save the checkpoint with floating-point weights."
             )
     if unknown:
@@ -424,7 +364,7 @@ def _write_side_files(
 ) -> None:
     config = dict(config)
     if dtype is not None:
-        name = _dtype_name(dtype)
+        name = dtype_name(dtype)
         config["dtype"] = name
         if "torch_dtype" in config:
             config["torch_dtype"] = name

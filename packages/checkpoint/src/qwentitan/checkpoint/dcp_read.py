@@ -23,6 +23,7 @@ from qwentitan.checkpoint.dcp_metadata import METADATA, read_dcp_metadata
 from qwentitan.checkpoint.dcp_record import data_range
 from qwentitan.checkpoint.disk import Shape, nbytes_of
 from qwentitan.checkpoint.errors import CheckpointError
+from qwentitan.checkpoint.files import member
 from qwentitan.checkpoint.safetensors_io import byte_view
 
 
@@ -92,7 +93,7 @@ class DCPFolder:
         sizes: dict[Path, int] = {}
         slabs: dict[str, list[Rows]] = {}
         for index, info in (metadata.storage_data or {}).items():
-            file = self.path / info.relative_path
+            file = member(self.path, info.relative_path, self.path / METADATA)
             if file not in sizes:
                 try:
                     sizes[file] = file.stat().st_size
@@ -138,6 +139,16 @@ class DCPFolder:
             return None
         start, stop = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
         return Rows(index.fqn, start, stop, found.nbytes, file, found.start)
+
+    def held_shapes(self) -> dict[str, Shape]:
+        """Every tensor's shape, its leading dim capped by the bytes stored for it: what the
+        folder can really hold, to bound loops over a count a config.json gives (the
+        metadata alone may claim any size)."""
+        out = {}
+        for fqn, (shape, _) in self.tensors.items():
+            stored = sum(length for _, _, length in self.storage.get(fqn, ()))
+            out[fqn] = (min(shape[0], stored), *shape[1:]) if shape else shape
+        return out
 
     def rows(self, fqn: str) -> list[Rows]:
         """The pieces `load_rows` can load `fqn` in: its row chunks, or the whole tensor."""

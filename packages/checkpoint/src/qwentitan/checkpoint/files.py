@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwentitan.checkpoint.errors import CheckpointError
+
 __all__ = [
     "FREE_SPACE_MARGIN",
     "DiskRoom",
@@ -22,6 +24,7 @@ __all__ = [
     "atomic_folder",
     "disk_room",
     "format_size",
+    "member",
 ]
 
 # Room asked for beyond an estimate: file-system metadata and small files the estimate omits.
@@ -98,3 +101,22 @@ def format_size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes} B"
+
+
+def member(folder: Path, name: object, named_in: Path) -> Path:
+    """The file `name` of `folder`, as an index (`named_in`) names it: a plain file name, so
+    a hostile index cannot make a reader open files outside the folder. A member that is a
+    symbolic link (the Hub cache links each shard to its blob) is followed as usual."""
+    plain = (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
+    if not plain:
+        raise CheckpointError(
+            f"{named_in} names {name!r}, which is not a plain file name inside {folder}; "
+            "restore the index from the model's original files."
+        )
+    return Path(folder) / name

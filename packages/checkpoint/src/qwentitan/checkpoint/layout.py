@@ -21,12 +21,15 @@ torchtitan nor transformers. What torchtitan does beyond renaming:
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qwentitan.checkpoint.disk import Shape
 from qwentitan.checkpoint.errors import CheckpointError
 
 # HF name -> torchtitan name, with `{layer}` / `{expert}` holes: torchtitan's from_hf_map.
@@ -97,10 +100,16 @@ class Qwen3Layout:
     tie_word_embeddings: bool
     num_experts: int = 0
     moe_intermediate_size: int = 0
-    moe_layers: frozenset[int] = frozenset()
+    decoder_sparse_step: int = 1
+    mlp_only_layers: frozenset[int] = frozenset()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], where: Path | str) -> Qwen3Layout:
+        """The layout config.json describes, every size checked to be a positive integer.
+
+        Nothing here loops over a size: a folder's config is bounded by what the folder holds
+        (`check_held`) before anything iterates over its layers or experts.
+        """
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise CheckpointError(
@@ -112,45 +121,79 @@ class Qwen3Layout:
                 f"{where} sets attention_bias=true, which torchtitan's Qwen3 has no parameter "
                 "for; only bias-free Qwen3 checkpoints can be converted."
             )
-
-        def need(key: str, *alternatives: str) -> int:
-            for k in (key, *alternatives):
-                if isinstance(config.get(k), int):
-                    return config[k]
-            raise CheckpointError(
-                f"{where} lacks the integer field {key!r}; pass the complete config.json "
-                "that came with the weights."
-            )
-
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
-        layers = need("num_hidden_layers")
+        hidden = _size(config, where, "hidden_size")
+        heads = _size(config, where, "num_attention_heads")
         common = dict(
             model_type=model_type,
-            vocab_size=need("vocab_size"),
+            vocab_size=_size(config, where, "vocab_size"),
             hidden_size=hidden,
-            num_layers=layers,
+            num_layers=_size(config, where, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
-            intermediate_size=need("intermediate_size"),
+            num_kv_heads=_size(config, where, "num_key_value_heads", default=heads),
+            head_dim=_size(config, where, "head_dim", default=max(hidden // heads, 1)),
+            intermediate_size=_size(config, where, "intermediate_size"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
         if model_type == "qwen3":
             return cls(**common)
-        # transformers 5 writes num_local_experts; Hub configs say num_experts.
-        experts = need("num_experts", "num_local_experts")
-        step = config.get("decoder_sparse_step", 1) or 1
-        dense_only = set(config.get("mlp_only_layers") or [])
-        moe_layers = frozenset(
-            i for i in range(layers) if i not in dense_only and experts > 0 and (i + 1) % step == 0
-        )
+        dense_only = config.get("mlp_only_layers") or []
+        if not isinstance(dense_only, list) or not all(
+            _is_int(i) and 0 <= i < common["num_layers"] for i in dense_only
+        ):
+            raise CheckpointError(
+                f"{where} sets mlp_only_layers to {_shown(dense_only)}; it must be a list of "
+                "layer numbers below num_hidden_layers, pass the config.json that came with "
+                "the weights."
+            )
         return cls(
             **common,
-            num_experts=experts,
-            moe_intermediate_size=need("moe_intermediate_size"),
-            moe_layers=moe_layers,
+            # transformers 5 writes num_local_experts; Hub configs say num_experts.
+            num_experts=_size(config, where, "num_experts", "num_local_experts"),
+            moe_intermediate_size=_size(config, where, "moe_intermediate_size"),
+            decoder_sparse_step=_size(config, where, "decoder_sparse_step", default=1),
+            mlp_only_layers=frozenset(dense_only),
         )
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer` holds routed experts (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> frozenset[int]:
+        return frozenset(i for i in range(self.num_layers) if self.is_moe(i))
+
+    def check_held(
+        self, tensors: Mapping[str, Shape], config_file: Path | str, folder: Path
+    ) -> None:
+        """Refuse a config.json whose layer or expert count exceeds what `folder` holds.
+
+        `tensors` are the folder's tensor names and shapes (Hugging Face or torchtitan names):
+        the layers are the distinct `layers.N` among them and the experts the distinct
+        `experts.E`, or the leading dim of a stacked expert tensor, so every loop over a
+        count from the config is bounded by the folder's own headers or metadata.
+        """
+        layers = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
+        if self.num_layers > len(layers):
+            raise CheckpointError(
+                f"{config_file} sets num_hidden_layers={self.num_layers} but {folder} holds "
+                f"the tensors of {len(layers)} layer(s); pass the config.json that belongs to "
+                "these weights."
+            )
+        if not any(self.is_moe(i) for i in range(self.num_layers)):
+            return
+        experts = {int(m.group(1)) for name in tensors if (m := _EXPERT.search(name))}
+        stacked = [s[0] for n, s in tensors.items() if n.endswith(_STACKED) and s]
+        held = max(len(experts), min(stacked, default=0))
+        if self.num_experts > held:
+            raise CheckpointError(
+                f"{config_file} sets num_experts={self.num_experts} but {folder} holds "
+                f"{held} expert(s) per layer; pass the config.json that belongs to these "
+                "weights."
+            )
 
     def titan_tensors(self) -> list[TitanTensor]:
         """torchtitan's state dict, in model order (embeddings first, lm_head last)."""
@@ -172,7 +215,7 @@ class Qwen3Layout:
                     continue
                 part = hf.split(".")[-2]
                 out.append(_plain(hf, titan, i, shapes[part]))
-            if i in self.moe_layers:
+            if self.is_moe(i):
                 out.extend(self._moe_tensors(i))
             else:
                 f = self.intermediate_size
@@ -216,6 +259,42 @@ class Qwen3Layout:
             for name in t.hf_names:
                 shapes[name] = per_source
         return shapes
+
+
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_STACKED = ("_EFD", "_EDF")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _size(config: dict[str, Any], where: Path | str, key: str, *alternatives: str, **kw) -> int:
+    """config[key] (or the first alternative present, else `default` when given): a positive
+    integer, or one sentence naming the field."""
+    for k in (key, *alternatives):
+        if config.get(k) is not None:
+            key, value = k, config[k]
+            break
+    else:
+        if "default" in kw:
+            return kw["default"]
+        raise CheckpointError(
+            f"{where} lacks the integer field {key!r}; pass the complete config.json "
+            "that came with the weights."
+        )
+    if not _is_int(value) or value < 1:
+        raise CheckpointError(
+            f"{where} sets {key} to {_shown(value)}, not a positive integer; pass the "
+            "config.json that came with the weights."
+        )
+    return value
 
 
 def _plain(hf: str, titan: str, layer: int, shape: tuple[int, ...]) -> TitanTensor:

@@ -7,6 +7,7 @@ import fnmatch
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -29,11 +30,11 @@ from qwentitan.checkpoint.dcp_metadata import METADATA
 from qwentitan.checkpoint.disk import libc
 from qwentitan.checkpoint.errors import CheckpointError
 from qwentitan.checkpoint.files import disk_room
-from qwentitan.checkpoint.safetensors_io import INDEX, SINGLE
+from qwentitan.checkpoint.safetensors_io import INDEX, SHARD_PLAN, SINGLE
 
 # What a folder of each kind may hold and still be replaced by --overwrite: its own files only.
 _KIND_FILES = {
-    "dcp": (".metadata", "*.distcp", "config.json", "generation_config.json"),
+    "dcp": (".metadata", "*.distcp", "config.json", "generation_config.json", SHARD_PLAN),
     "hf": ("*.safetensors", INDEX, "config.json", "generation_config.json"),
 }
 _KIND_NAMES = {"dcp": "DCP checkpoint folder", "hf": "Hugging Face safetensors folder"}
@@ -80,7 +81,20 @@ def check_destination(src: Path, dst: Path, overwrite: bool, *, kind: str, needs
         raise CheckpointError(f"cannot write {dst}: {_unwritable(folder)}; {_WRITABLE_FIX}.")
     _remove_stale_partials(dst)  # before counting free space: they may hold much of it
     if not disk_room(dst, needs).enough:
+        _check_takes_files(dst, folder)  # /proc and /sys report no room, but take no files
         raise CheckpointError(_no_space(dst, needs))
+
+
+def _check_takes_files(dst: Path, folder: Path) -> None:
+    """Refuse a folder that cannot hold new files (a pseudo file system such as /proc or
+    /sys, whose permission bits say writable to root) by making and removing an empty one."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qwentitan-probe-", dir=folder))
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write {dst}: {folder} does not take new files "
+            f"({os.strerror(e.errno).lower() if e.errno else e}); {_WRITABLE_FIX}."
+        ) from None
 
 
 _WRITABLE_FIX = "choose a destination you can write to"

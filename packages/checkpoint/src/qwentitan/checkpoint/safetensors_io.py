@@ -13,8 +13,10 @@ their offsets from any thread; writes into one shard take turns (see `ShardedWri
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -26,9 +28,14 @@ from safetensors import SafetensorError, safe_open
 
 from qwentitan.checkpoint.disk import copy_range, nbytes_of, start_writeback
 from qwentitan.checkpoint.errors import CheckpointError
+from qwentitan.checkpoint.files import member
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# to-dcp's record of how the source folder was sharded (tensor -> file), kept beside the DCP so
+# to-hf can shard its export the same way: files of similar size that fill in parallel.
+SHARD_PLAN = "hf_shards.json"
+DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default
 # The safetensors format's dtype names (its spec), for the dtypes torch has.
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -134,8 +141,8 @@ class HFFolder:
                 f"{index} is not a valid index (no weight_map object); restore it from the "
                 "model's original files."
             ) from None
-        for shard_name in sorted(set(weight_map.values())):
-            shard = self.path / shard_name
+        shards = {name: member(self.path, name, index) for name in weight_map.values()}
+        for shard_name, shard in sorted(shards.items()):
             if not shard.is_file():
                 raise CheckpointError(
                     f"{shard} is named in {index.name} but missing; download that shard into "
@@ -166,6 +173,11 @@ class HFFolder:
     def files(self) -> list[Path]:
         """The safetensors files holding the tensors, in name order."""
         return sorted({stored.file for stored in self.tensors.values()})
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, by name."""
+        return {name: stored.shape for name, stored in self.tensors.items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name].shape
@@ -256,71 +268,101 @@ def parse_size(text: str | int) -> int:
         raise CheckpointError(
             f"--max-shard-size {text!r} is not a size; write it like 5GB, 500MB or 2GiB."
         ) from None
+    if not math.isfinite(value):  # float() reads inf, nan and 1e400 (inf)
+        raise CheckpointError(
+            f"--max-shard-size {text!r} is not a finite size; write it like 5GB, 500MB or 2GiB."
+        )
     if value < 1:
         raise CheckpointError(f"--max-shard-size {text!r} must be positive; use e.g. 5GB.")
     return int(value)
 
 
+Entry = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def shard_groups(
+    tensors: list[Entry], max_shard_bytes: int, files: dict[str, str] | None = None
+) -> dict[str, list[Entry]]:
+    """File name -> its tensors: as `files` (tensor -> file) says when given, else in order,
+    a new shard whenever the next tensor would pass `max_shard_bytes` (save_pretrained's names)."""
+    if files is not None:
+        named: dict[str, list[Entry]] = {}
+        for entry in tensors:
+            named.setdefault(files[entry[0]], []).append(entry)
+        return dict(sorted(named.items()))
+    groups: list[list[Entry]] = [[]]
+    size = 0
+    for entry in tensors:
+        nbytes = nbytes_of(entry[2], entry[1])
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += nbytes
+    count = len(groups)
+    if count == 1:
+        return {SINGLE: groups[0]}
+    return {f"model-{i + 1:05d}-of-{count:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
 class ShardedWriter:
     """Safetensors shards laid out up front, filled tensor by tensor from any thread.
 
-    Writes into one shard take turns under a lock per shard, while different shards fill in
-    parallel. A file system writes one file under one inode lock anyway (ext4 and XFS take it
-    for every buffered write), and threads contending for it spin in the kernel: with 4 threads
-    on one 3.4 GB shard, `perf` put 15% of to-hf's samples in `rwsem_spin_on_owner` and its
-    system time at 2-4x that of one thread, for no gain in wall time.
+    With `serial`, writes into one shard take turns under a lock per shard while different
+    shards fill in parallel: a file system writes one file under one inode lock (ext4 and XFS
+    take it for every buffered write), and threads contending for it can spin in the kernel
+    (with 4 threads on one 3.4 GB shard, `perf` put 15% of to-hf's samples in
+    `rwsem_spin_on_owner`). Without it, threads fill distinct offsets of a shard at once.
     """
 
     def __init__(
         self,
         folder: Path,
-        tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        tensors: list[Entry],
         max_shard_bytes: int,
+        files: dict[str, str] | None = None,
+        *,
+        serial: bool = True,
     ):
-        groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
-        size = 0
-        for entry in tensors:
-            nbytes = nbytes_of(entry[2], entry[1])
-            if groups[-1] and size + nbytes > max_shard_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(entry)
-            size += nbytes
-        count = len(groups)
+        groups = shard_groups(tensors, max_shard_bytes, files)
         self.where: dict[str, tuple[int, int, int]] = {}  # name -> (fd, offset, nbytes)
         self._fds: list[int] = []
-        self._locks: dict[int, threading.Lock] = {}
+        self._locks: dict[int, threading.Lock | contextlib.nullcontext] = {}
+        self._serial = serial
         weight_map: dict[str, str] = {}
         total = 0
-        for i, group in enumerate(groups):
-            name = SINGLE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-            offset = 0
-            for tname, dtype, shape in group:
-                nbytes = nbytes_of(shape, dtype)
-                header[tname] = {
-                    "dtype": _DTYPE_NAMES[dtype],
-                    "shape": list(shape),
-                    "data_offsets": [offset, offset + nbytes],
-                }
-                offset += nbytes
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-            fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            self._fds.append(fd)
-            self._locks[fd] = threading.Lock()
-            os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
-            os.ftruncate(fd, 8 + len(raw) + offset)
-            for tname, dtype, shape in group:
-                start = header[tname]["data_offsets"][0]
-                self.where[tname] = (fd, 8 + len(raw) + start, nbytes_of(shape, dtype))
-                weight_map[tname] = name
-            total += offset
-        if count > 1:
+        for name, group in groups.items():
+            total += self._lay_out(folder / name, group)
+            weight_map |= dict.fromkeys((t for t, _, _ in group), name)
+        if list(groups) != [SINGLE]:
             # Like save_pretrained, a single model.safetensors has no index: torchtitan's
             # adapter reads shard numbers out of index file names and fails on one without.
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    def _lay_out(self, file: Path, group: list[Entry]) -> int:
+        """Create `file` with its header and its full (sparse) size; the data bytes it holds."""
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for tname, dtype, shape in group:
+            nbytes = nbytes_of(shape, dtype)
+            header[tname] = {
+                "dtype": _DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fds.append(fd)
+        self._locks[fd] = threading.Lock() if self._serial else contextlib.nullcontext()
+        os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
+        os.ftruncate(fd, 8 + len(raw) + offset)
+        for tname, dtype, shape in group:
+            start = header[tname]["data_offsets"][0]
+            self.where[tname] = (fd, 8 + len(raw) + start, nbytes_of(shape, dtype))
+        return offset
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
         """Write `tensor`'s bytes into `name`'s place, from byte `offset` of it (a row chunk)."""

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from qwentitan.checkpoint import dcp_read
-from qwentitan.checkpoint.convert import MEMORY_BUDGET, THREADS, check_hf_tensors
+from qwentitan.checkpoint.convert import THREADS, check_hf_tensors
 from qwentitan.checkpoint.disk import differing_elements
+from qwentitan.checkpoint.hf_export import MEMORY_BUDGET
 from qwentitan.checkpoint.layout import NON_MODEL_PREFIXES, Qwen3Layout, TitanTensor, read_config
 from qwentitan.checkpoint.logits import RELATIVE_TOLERANCE
 from qwentitan.checkpoint.safetensors_io import HFFolder, read_into
@@ -127,17 +128,31 @@ def verify(
     hf = HFFolder(hf_dir)
     config, config_file = read_config(hf_dir)
     layout = Qwen3Layout.from_config(config, config_file)
+    layout.check_held(hf.shapes, config_file, hf_dir)
     check_hf_tensors(hf, layout, config_file)
     ckpt = dcp_read.DCPFolder(dcp_dir)
     report = VerifyReport(hf_dir, dcp_dir)
+    comparable = _compare_names(report, layout.titan_tensors(), hf, ckpt)
+    _compare_values(report, comparable, hf, ckpt, logits)
+    if logits:
+        from qwentitan.checkpoint.logits import compare_logits
 
-    tensors = layout.titan_tensors()
+        report.logits_max_abs_diff, report.logits_tolerance = compare_logits(
+            hf_dir, dcp_dir, config
+        )
+    return report
+
+
+def _compare_names(
+    report: VerifyReport, tensors: list[TitanTensor], hf: HFFolder, ckpt: dcp_read.DCPFolder
+) -> list[TitanTensor]:
+    """Record missing and extra keys, shape and dtype mismatches; the tensors left to compare
+    byte for byte."""
     expected = {t.name for t in tensors}
     model_keys = {k for k in ckpt.tensors if not k.startswith(NON_MODEL_PREFIXES)}
     # expert_bias_E may be absent: a model trained with load balancing off has none.
     report.missing_in_dcp = sorted({t.name for t in tensors if t.hf_names} - model_keys)
     report.unexpected_in_dcp = sorted(model_keys - expected)
-
     comparable = []
     for t in tensors:
         if t.name not in ckpt.tensors:
@@ -150,7 +165,17 @@ def verify(
             report.dtype_mismatches.append((t.name, want, dtype))
         else:
             comparable.append(t)
+    return comparable
 
+
+def _compare_values(
+    report: VerifyReport,
+    comparable: list[TitanTensor],
+    hf: HFFolder,
+    ckpt: dcp_read.DCPFolder,
+    logits: bool,
+) -> None:
+    """Compare every byte of `comparable`, a few tensors at a time within the memory budget."""
     budget = dcp_read.MemoryBudget(MEMORY_BUDGET)
 
     def compare(t: TitanTensor) -> None:
@@ -181,14 +206,6 @@ def verify(
     report.value_mismatches.sort(key=lambda d: d.name)
     report.nonzero_expert_bias.sort()
     report.nonfinite_tensors.sort()
-
-    if logits:
-        from qwentitan.checkpoint.logits import compare_logits
-
-        report.logits_max_abs_diff, report.logits_tolerance = compare_logits(
-            hf_dir, dcp_dir, config
-        )
-    return report
 
 
 def _finite(*values: float | None) -> bool:

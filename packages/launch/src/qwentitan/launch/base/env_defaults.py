@@ -149,6 +149,12 @@ def local_world_size() -> int | None:
     return int(found) if found and found.isdigit() else None
 
 
+def local_rank() -> int:
+    """torchrun's `$LOCAL_RANK` (this rank's place on its node), 0 outside torchrun."""
+    found = _value("LOCAL_RANK")
+    return int(found) if found and found.isdigit() else 0
+
+
 def hub_offline_set() -> bool:
     """Whether `$HF_HUB_OFFLINE` asks huggingface_hub to stay off the network."""
     return (_value("HF_HUB_OFFLINE") or "").lower() in ("1", "true", "yes", "on")

@@ -151,7 +151,12 @@ class LaunchPlan:
 
     @property
     def checkpoint_folder(self) -> Path:
-        return self.run_folder / self.config.checkpoint.folder
+        folder = self.config.checkpoint.folder
+        from qwentitan.launch.launcher.remote import RemotePath, is_remote
+
+        if is_remote(folder):  # on S3 (`--run-dir s3://...`): torchtitan's join keeps a URL whole
+            return RemotePath(folder)  # type: ignore[return-value]  # the Path methods used
+        return self.run_folder / folder
 
     def to_dict(self) -> dict[str, Any]:
         cfg = self.config

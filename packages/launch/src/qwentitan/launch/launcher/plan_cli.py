@@ -22,6 +22,7 @@ from qwentitan.launch.launcher.plan import (
     LaunchPlan,
     resolve_plan,
 )
+from qwentitan.launch.launcher.remote import is_remote
 from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, RunRequest
 from qwentitan.launch.recipes import recipe_names
 
@@ -94,6 +95,14 @@ FLAGS = {
             "stop after this step with a checkpoint (resume later)",
         ),
         Flag(
+            "stop_by",
+            ("--stop-by",),
+            "stop at a step boundary with a checkpoint written before TIME: ISO 8601 UTC "
+            "(2026-12-03T18:00:00Z) or a duration from now (+90m, +1h30m); budgets the measured "
+            "save and step times plus a margin; --resume continues",
+            None,
+        ),
+        Flag(
             "run_dir",
             ("--run-dir", "--dump-folder"),
             "run folder for checkpoints, logs and reports (shared by the nodes)",
@@ -153,7 +162,7 @@ LAYOUT = ("tp", "fsdp", "ep", "pp", "dp_replicate", "ac", "global_batch_size")
 SHARED = (
     *("recipe", "instance", "nodes", "ranks_per_node", "lnc"),
     *LAYOUT,
-    *("seq_len", "local_batch_size", "steps", "stop_after"),
+    *("seq_len", "local_batch_size", "steps", "stop_after", "stop_by"),
     *("run_dir", "resume", "checkpoint_interval", "compile_cache"),
     *("dataset", "tokenizer", "validate_every"),
 )
@@ -285,7 +294,12 @@ def describe(plan: LaunchPlan) -> str:
         f"batch         seq len {plan.seq_len} (multiple of {rule['multiple_of']}: "
         f"{'ok' if rule['ok'] else 'NO'}), local {plan.local_batch}, global {plan.global_batch}, "
         f"{plan.steps} steps, activation checkpointing {plan.activation_checkpoint}",
-        f"run folder    {plan.run_folder} (resume: {plan.resume})",
+        f"run folder    {plan.run_folder} (resume: {plan.resume})"
+        + (
+            f", checkpoints in {plan.checkpoint_folder}"
+            if is_remote(plan.checkpoint_folder)
+            else ""
+        ),
         *(
             [f"compile       torch.compile, backend {plan.config.compile.backend}"]
             if plan.config.compile.enable

@@ -15,7 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from qwentitan.launch.base.deadline import format_utc, parse_stop_by
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher.remote import is_remote, local_folder
 
 __all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest", "override_refusal"]
 
@@ -33,6 +35,7 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
     "local_batch_size": ("--training.local-batch-size",),
     "steps": ("--training.steps",),
     "stop_after": ("--stop-after",),
+    "stop_by": ("--stop-by",),
     "fsdp": ("--parallelism.data-parallel-shard-degree",),
     "dp_replicate": ("--parallelism.data-parallel-replicate-degree",),
     "tp": ("--parallelism.tensor-parallel-degree",),
@@ -86,6 +89,9 @@ class RunRequest:
     steps: int | None = None
     stop_after: int | None = None
     """Stop after this step with a full checkpoint (a later run resumes it)."""
+    stop_by: str | None = None
+    """Stop at a step boundary with a checkpoint written before this time (`base.deadline`: ISO
+    8601 UTC or +DURATION; held as the absolute UTC time, fixed when the request is made)."""
     run_dir: str | None = None
     """torchtitan's dump folder: checkpoints, logs, reports."""
     resume: str = "auto"
@@ -132,6 +138,8 @@ class RunRequest:
                     f"The override {word} is refused: {why}; pass {{recipe}} NAME instead.",
                     field="recipe",
                 )
+        if self.stop_by is not None:
+            object.__setattr__(self, "stop_by", _absolute_stop_by(self.stop_by))
 
     def replace(self, **changes: object) -> RunRequest:
         return dataclasses.replace(self, **changes)
@@ -143,6 +151,11 @@ class RunRequest:
             value = getattr(self, name)
             if name == "tokenizer" and value is not None:
                 value = Path(value).resolve()  # read by every rank, from its own directory
+            if name == "run_dir" and value is not None and is_remote(value):
+                # On S3: checkpoints at the URL, the rest in a local folder (launcher.remote).
+
+                words += ["--checkpoint.folder", f"{value.rstrip('/')}/checkpoint"]
+                value = local_folder(value)
             if value is not None:
                 words += [word for flag in flags for word in (flag, str(value))]
         words += self.overrides
@@ -150,6 +163,21 @@ class RunRequest:
         if self.ac is not None:
             words.append(f"activation-checkpoint:{self.ac}")
         return words
+
+
+def _absolute_stop_by(text: str) -> str:
+    """`--stop-by` as an absolute UTC time, refused when it has already passed."""
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    when = parse_stop_by(text, now)
+    if when <= now:
+        raise LaunchError(
+            f"{{stop_by}} {text} has already passed (it is {format_utc(now)} now); pass a later "
+            "time in UTC, or a duration such as {stop_by} +90m.",
+            field="stop_by",
+        )
+    return format_utc(when)
 
 
 # The request's counts, each 1 or more (max_restarts, the one that may be 0, is checked apart).

@@ -53,7 +53,7 @@ class _Unpickler(MetadataUnpickler):
 def read_metadata(step: Path) -> Metadata:
     """The DCP metadata of `step`, unpickled with only DCP's own classes allowed; raises
     `UnsafeMetadata` for anything else, and what pickle raises for a damaged file."""
-    with open(step / METADATA, "rb") as file:
+    with (step / METADATA).open("rb") as file:  # a Path, or a RemotePath (s3://)
         metadata = _Unpickler(file).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeMetadata(f"it holds a {type(metadata).__name__}, not DCP metadata")

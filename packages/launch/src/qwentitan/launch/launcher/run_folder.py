@@ -25,6 +25,7 @@ from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import LaunchPlan
+from qwentitan.launch.launcher.remote import is_remote, require_backend
 
 __all__ = [
     "LATEST",
@@ -164,6 +165,8 @@ def check_checkpoints(plan: LaunchPlan, *, folder_given: bool = True) -> int | N
     folder = plan.checkpoint_folder
     if not plan.config.checkpoint.enable:
         return None
+    if is_remote(folder):
+        require_backend(str(folder))
     steps = saved_steps(folder)
     if plan.resume == "fresh" and steps:
         raise LaunchError(
@@ -246,6 +249,13 @@ def check_free_disk(plan: LaunchPlan) -> None:
     saves) do not fit on the disk of its run folder, before step 1."""
     from qwentitan.checkpoint.files import disk_room  # its package imports torch, for now
 
+    if is_remote(plan.checkpoint_folder):
+        print(
+            f"qwentitan-launch: note: no free-space check for {plan.checkpoint_folder}: an "
+            "object store has no disk to fill.",
+            flush=True,
+        )
+        return
     room = disk_room(plan.checkpoint_folder, planned_checkpoint_bytes(plan))
     if not room.enough:
         raise LaunchError(

@@ -9,6 +9,9 @@ supervisor (`runtime.preemption.supervise`).
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qwentitan.launch.base.errors import LaunchError
@@ -78,7 +81,23 @@ def check_before_start(plan: LaunchPlan, request: RunRequest, *, folder_given: b
 
 def launch(plan: LaunchPlan, *, stopped_exit: int = 0) -> int:
     """This node's torchrun agent for the plan, every signal forwarded to its ranks; its exit
-    code, or `stopped_exit` when the ranks stopped on a signal (`supervise`)."""
+    code, or `stopped_exit` when the ranks stopped on a signal (`supervise`), a `--stop-by`
+    deadline or a spot notice (their stop report, RUN_DIR/reports/stop.json)."""
     from qwentitan.launch.runtime import preemption
 
-    return preemption.supervise(plan.launch_argv(), plan.rank_env(), stopped_exit=stopped_exit)
+    started = time.time()
+    code = preemption.supervise(plan.launch_argv(), plan.rank_env(), stopped_exit=stopped_exit)
+    return stopped_exit if code == 0 and _stopped_on_notice(plan, started) else code
+
+
+def _stopped_on_notice(plan: LaunchPlan, since: float) -> bool:
+    """Whether the ranks of this launch reported a stop on a deadline or a spot notice."""
+    from qwentitan.launch.tracking.store import REPORTS_FOLDER, STOP
+
+    path = Path(plan.run_folder) / REPORTS_FOLDER / f"{STOP}.json"
+    try:
+        if path.stat().st_mtime < since:
+            return False  # an earlier run's, in a folder continued with --resume
+        return json.loads(path.read_text(encoding="utf-8")).get("cause") in ("deadline", "spot")
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -22,6 +22,10 @@ user's Ctrl-C (SIGINT) all give a job a short grace period. Two halves:
   child `train`s through the same `SignalForwarder`, passing signals to the child and stopping
   after it.
 
+Two causes that are not signals take the same path: a `--stop-by` deadline
+(`runtime.stop_clock`) and a spot interruption notice (`runtime.spot`) call
+`PreemptionWatch.request(DEADLINE / SPOT_NOTICE)`, agreed by the same all-reduce.
+
 A later run with the same dump folder resumes from that checkpoint; torchrun's
 `--max-restarts` does the same after a crash, from the last interval checkpoint.
 """
@@ -53,6 +57,14 @@ STOPPED_EXIT = 75
 # there (reading data, validating); `stop_if_overdue` then ends it at once. A step of the
 # tiny recipes takes about a second on a CPU; torchrun's agent SIGKILLs 30 s after a SIGTERM.
 OVERDUE_SECONDS = 20.0
+# Stop causes that are not signals, all-reduced with the signal numbers (MAX, so above them):
+# the `--stop-by` budget (`runtime.stop_clock`) and a spot notice (`runtime.spot`).
+DEADLINE = 100
+SPOT_NOTICE = 101
+CAUSES = {
+    DEADLINE: ("deadline", "--stop-by deadline: no time for another step and a save"),
+    SPOT_NOTICE: ("spot", "spot interruption notice from the instance metadata service"),
+}
 _active: PreemptionWatch | None = None
 # How often `SignalForwarder` looks up its targets while no signal waits, so that a child dying
 # without passing a signal on (a killed torchrun agent) leaves a recent list of them.
@@ -65,6 +77,8 @@ class PreemptionWatch:
     def __init__(self, signals: Sequence[signal.Signals] = PREEMPTION_SIGNALS) -> None:
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
+        self.requested: int | None = None  # a cause that is not a signal (`request`)
+        self.agreed: int | None = None  # the cause the last `stop_requested` agreed on
         self.overdue_from: float | None = None  # see stop_if_overdue
         self._previous: dict[signal.Signals, object] = {}
 
@@ -101,9 +115,14 @@ class PreemptionWatch:
             # after its checkpoint, and torchrun would restart it.
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
+    def request(self, cause: int) -> None:
+        """Ask for a stop at the next step boundary for a cause that is not a signal (DEADLINE,
+        SPOT_NOTICE); safe from another thread: one attribute, as a signal handler sets one."""
+        self.requested = max(self.requested or 0, cause)
+
     def stop_requested(self, device: torch.device | str = "cpu") -> str | None:
         """The reason to stop now, agreed by every rank (one tiny all-reduce), or None."""
-        local = 0 if self.received is None else int(self.received)
+        local = max(0 if self.received is None else int(self.received), self.requested or 0)
         agreed = local
         # torch only here: the launcher's supervising side (and the CLI's --help) imports this
         # module for its signals and exit code, and must not pay torch's import.
@@ -116,7 +135,20 @@ class PreemptionWatch:
             agreed = int(flag.item())
         if agreed == 0:
             return None
-        return f"{signal.Signals(agreed).name} received: checkpointing and exiting"
+        self.agreed = agreed
+        return f"{describe_cause(agreed)}: checkpointing and exiting"
+
+
+def describe_cause(cause: int) -> str:
+    """A stop cause (a signal number, DEADLINE or SPOT_NOTICE) in words."""
+    if cause in CAUSES:
+        return CAUSES[cause][1]
+    return f"{signal.Signals(cause).name} received"
+
+
+def cause_kind(cause: int) -> str:
+    """`deadline`, `spot` or `signal`: the word the stop report and MLflow tag carry."""
+    return CAUSES[cause][0] if cause in CAUSES else "signal"
 
 
 def stop_if_overdue(where: str, *, seconds: float = OVERDUE_SECONDS) -> None:

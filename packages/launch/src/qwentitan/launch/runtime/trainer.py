@@ -4,7 +4,8 @@ Each training step is torchtitan's `Trainer.train()` loop, unchanged; this modul
 torchtitan 0.3.0 lacks, one place each: the machine kind and kernel choices as config fields
 (`Trainer.Config.target` / `.lnc` / `.kernels`, from which the config builds its model), the
 platform's device module (`use_platform`), SUM reductions for gloo (`force_sum_reduction`), the
-step boundary where a run stops early with a checkpoint (`Trainer.at_step_boundary`), loads
+step boundary where a run stops early with a checkpoint (`Trainer.at_step_boundary`: `--stop-after`,
+a signal, the `--stop-by` budget, a spot notice, each said in RUN_DIR/reports/stop.json), loads
 only of a checked `.metadata` (`checked_loads`), saves that fail in one sentence and leave no
 partial step (`guard_saves`), and the first step timed apart with, on Neuron, the ops
 TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json). Importing
@@ -13,6 +14,7 @@ it quiets the console lines a user cannot act on (`console.quiet_console`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
@@ -28,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
 from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
 from qwentitan.kernels import KernelChoices
@@ -37,15 +40,24 @@ from qwentitan.launch.base.target import Target, get_target
 from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
 from qwentitan.launch.runtime.platforms import Platform, get_platform, host_target
-from qwentitan.launch.runtime.preemption import PreemptionWatch
+from qwentitan.launch.runtime.preemption import (
+    DEADLINE,
+    SPOT_NOTICE,
+    PreemptionWatch,
+    cause_kind,
+)
+from qwentitan.launch.runtime.spot import SpotWatcher, describe_notice, start_watching
+from qwentitan.launch.runtime.stop_clock import StopClock, state_bytes
 from qwentitan.launch.runtime.whole_init import whole_init
 from qwentitan.launch.tracking.logger import FIRST_STEP, attach_report
+from qwentitan.launch.tracking.store import STOP
 
 __all__ = [
     "Trainer",
     "checked_loads",
     "force_sum_reduction",
     "guard_saves",
+    "timed_saves",
     "use_platform",
 ]
 
@@ -97,23 +109,26 @@ def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
     return switched
 
 
-def save_failure(step_folder: Path, error: BaseException) -> str:
-    """One sentence for a failed save of `step_folder` (call before removing the folder)."""
+def save_failure(step_folder: Path | str, error: BaseException) -> str:
+    """One sentence for a failed save of `step_folder` (call before removing the folder; a URL
+    on S3 has no disk to be full)."""
     causes = [error]
     if isinstance(error, CheckpointException):
         causes = [failure for failure, _trace in error.failures.values()] or causes
     cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
-    free = shutil.disk_usage(_existing(step_folder)).free
+    remote = filesystem.is_remote(step_folder)
+    free = None if remote else shutil.disk_usage(_existing(Path(step_folder))).free
+    parent = str(step_folder).rsplit("/", 1)[0] if remote else Path(step_folder).parent
     if isinstance(cause, OSError) and cause.strerror:
         reason = cause.strerror
-    elif free < FULL_DISK_BYTES:
+    elif free is not None and free < FULL_DISK_BYTES:
         # torch.save's zip writer turns a short write (ENOSPC) into "unexpected pos" errors.
         reason = f"the disk is full, {free} bytes left"
     else:
         reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
     return (
         f"Saving the checkpoint {step_folder} failed ({reason}); its partial folder was removed, "
-        f"so --resume continues from the previous checkpoint: free space in {step_folder.parent} "
+        f"so --resume continues from the previous checkpoint: free space in {parent} "
         "or choose another run folder, then resume."
     )
 
@@ -134,10 +149,10 @@ def checked_loads(dcp_load: Callable[..., Any]) -> Callable[..., Any]:
 
     def checked(state_dict: Any, checkpoint_id: str, from_hf: bool, *args: Any, **kwargs: Any):
         if not from_hf:  # an HF folder is safetensors, which hold no code
-            from qwentitan.checkpoint import CheckpointError, SafeFileSystemReader
+            from qwentitan.checkpoint import CheckpointError, safe_reader_for
 
             try:
-                SafeFileSystemReader(checkpoint_id).read_metadata()
+                safe_reader_for(checkpoint_id).read_metadata()  # local, or remote (s3://) by fsspec
             except CheckpointError as error:
                 logger.error(f"Not loading the checkpoint {checkpoint_id}: {error}")
                 raise SystemExit(2) from None  # a fault of the input, said in one sentence
@@ -154,15 +169,30 @@ def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., A
         try:
             return save(step, *args, **kwargs)
         except (Exception, CheckpointException) as error:
-            step_folder = Path(folder) / f"step-{step}"
+            step_folder = filesystem.join(str(folder), f"step-{step}")  # a path, or a URL
             # DCP raises on every rank after all of them stopped writing; one removes the folder.
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 message = save_failure(step_folder, error)
-                shutil.rmtree(step_folder, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    filesystem.rmtree(step_folder)
                 logger.error(message)
             raise SystemExit(SAVE_FAILED_EXIT) from None
 
     return guarded
+
+
+def timed_saves(save: Callable[..., Any], on_saved: Callable[[float], None]) -> Callable[..., Any]:
+    """`save(step, ...)` that reports the seconds of each save that wrote a checkpoint (the
+    `--stop-by` budget; with an async checkpoint mode that is the staging time only)."""
+
+    def timed(step: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        wrote = save(step, *args, **kwargs)
+        if wrote:
+            on_saved(time.perf_counter() - start)
+        return wrote
+
+    return timed
 
 
 class Trainer(torchtitan_trainer.Trainer):
@@ -183,6 +213,9 @@ class Trainer(torchtitan_trainer.Trainer):
         stop_after: int | None = None
         """Stop after this step with a full checkpoint, before `training.steps` (a planned
         interruption: a later run with the same folder resumes from it)."""
+        stop_by: str = ""
+        """Stop at a step boundary with a checkpoint written before this UTC time (ISO 8601;
+        `runtime.stop_clock` budgets it); "" runs to `training.steps`."""
         model_for: Annotated[ModelFor | None, tyro.conf.Suppress] = None
         """How the recipe builds its model for a Target and kernel choices (set by the recipe,
         like `model_spec`)."""
@@ -225,6 +258,8 @@ class Trainer(torchtitan_trainer.Trainer):
     target: Target
     platform: Platform
     preemption: PreemptionWatch
+    clock: StopClock | None = None
+    spot: SpotWatcher | None = None
     first_step_done: bool = False
 
     def __init__(self, config: Config) -> None:
@@ -235,6 +270,8 @@ class Trainer(torchtitan_trainer.Trainer):
         # Installed before the model is built: a preemption during start-up is then honoured at
         # the first step boundary instead of killing the rank without a checkpoint.
         self.preemption = PreemptionWatch().install()
+        if env_defaults.local_rank() == 0:  # one watcher per node; the all-reduce tells the rest
+            self.spot = start_watching(self._on_spot_notice)
         if self.target.device_type == "cpu":  # DTensor cannot split a random init there
             whole_init(config)
         super().__init__(config)
@@ -244,8 +281,12 @@ class Trainer(torchtitan_trainer.Trainer):
         if self.checkpointer.enable:
             # The manager is built from the recipe's own config (any checkpointer class), so its
             # save is wrapped here rather than subclassed in every recipe.
-            self.checkpointer.save = guard_saves(self.checkpointer.save, self.checkpointer.folder)
+            self.checkpointer.save = timed_saves(
+                guard_saves(self.checkpointer.save, self.checkpointer.folder), self._saved
+            )
             self.checkpointer.dcp_load = checked_loads(self.checkpointer.dcp_load)
+        if config.stop_by:
+            self.clock = self._start_clock(config.stop_by)
         validator = getattr(self, "validator", None)
         if validator is not None and getattr(validator, "validate", None) is not None:
             validator.validate = self._unless_stopping(validator.validate)
@@ -261,11 +302,32 @@ class Trainer(torchtitan_trainer.Trainer):
             self.metrics_processor.has_quantization = True
             logger.info(f"MFU: n/a on {self.platform.name} (no published peak FLOP/s).")
 
+    def _start_clock(self, stop_by: str) -> StopClock:
+        params = (p for part in self.model_parts for p in part.parameters())
+        clock = StopClock.until(stop_by, state_bytes(params))
+        logger.info(
+            f"Stopping by {stop_by}: at each step boundary, one more step + a save (until one is "
+            f"timed, ~{clock.save_s:.1f} s from this rank's state size) + {clock.margin_s:g} s "
+            "must fit before it."
+        )
+        return clock
+
+    def _saved(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.saved(seconds)
+            logger.info(f"The save took {seconds:.2f} s: the --stop-by budget now counts that.")
+
+    def _on_spot_notice(self, text: str) -> None:
+        """From the watcher's thread: only the flag a signal would set, and one line."""
+        self.preemption.request(SPOT_NOTICE)
+        logger.warning(f"Spot interruption notice ({describe_notice(text)}): saving and stopping.")
+
     def _unless_stopping(self, validate: Callable[..., Any]) -> Callable[..., Any]:
-        """`validate` skipped when a stop signal is pending on any rank, so the checkpoint at
-        the step boundary right after it comes first (on a spot or SLURM grace period)."""
+        """`validate` skipped when a stop is pending on any rank (a signal, a spot notice, the
+        `--stop-by` budget), so the checkpoint at the step boundary right after it comes first."""
 
         def guarded(model_parts: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+            self._check_clock()  # a validation that would cross --stop-by's budget is skipped
             if self.preemption.stop_requested(self.device) is None:
                 return validate(model_parts, step, *args, **kwargs)
             logger.info(f"Validation of step {step} skipped: a stop signal is pending.")
@@ -298,10 +360,18 @@ class Trainer(torchtitan_trainer.Trainer):
         stop_after = self.config.stop_after
         if stop_after is not None and self.step >= stop_after:
             return f"--stop-after {stop_after} reached"
+        self._check_clock()
         return self.preemption.stop_requested(self.device)
+
+    def _check_clock(self) -> None:
+        """Ask for a stop when one more step and a save no longer fit before `--stop-by`."""
+        if self.clock is not None and self.clock.due():
+            self.preemption.request(DEADLINE)
 
     def at_step_boundary(self) -> bool:
         """Run between two steps (after checkpoint and validation); False ends training."""
+        if self.clock is not None:
+            self.clock.boundary()
         if self.step >= self.config.training.steps:
             return False
         reason = self.stop_reason() if self.step > 0 else None
@@ -318,7 +388,27 @@ class Trainer(torchtitan_trainer.Trainer):
             finally:
                 self.checkpointer.last_save_model_only = model_only
         logger.info(f"Stopping after step {self.step}: {reason}.")
+        self._report_stop(reason)
         return False
+
+    def _report_stop(self, reason: str) -> None:
+        """RUN_DIR/reports/stop.json (the launcher reads it for its exit code), the summary's
+        line and MLflow's tags: why this run stopped before its last step."""
+        agreed = self.preemption.agreed
+        report: dict[str, Any] = {
+            "step": self.step,
+            "reason": reason,
+            "cause": "stop_after" if agreed is None else cause_kind(agreed),
+        }
+        if self.clock is not None:
+            report["budget"] = self.clock.figures()
+        if self.spot is not None and self.spot.notice is not None:
+            report["spot_notice"] = self.spot.notice
+        record = getattr(self.metrics_processor, "record_stop", None)
+        if record is not None:
+            record(report)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            attach_report(self.config.dump_folder, STOP, report)
 
     def should_continue_training(self) -> bool:
         return self.at_step_boundary()

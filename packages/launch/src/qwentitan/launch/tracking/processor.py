@@ -56,6 +56,7 @@ class TrackedMetrics(MetricsProcessor):
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.mlflow = None
+        self.summary_logger: SummaryLogger | None = None
         super().__init__(config, **kwargs)
         # qwentitan's Trainer then sets its Target's peak (or drops MFU where none is known);
         # until then torchtitan's guess (an A100 on CPU) is not used: NaN makes MFU NaN, which
@@ -94,8 +95,21 @@ class TrackedMetrics(MetricsProcessor):
             )
             container.add_logger(self.mlflow)
         # Added last, so it closes after MLflow's logger and can report its run id.
-        container.add_logger(SummaryLogger(dump_folder, parallel_dims.world_size, self.mlflow))
+        self.summary_logger = SummaryLogger(dump_folder, parallel_dims.world_size, self.mlflow)
+        container.add_logger(self.summary_logger)
         return container
+
+    def record_stop(self, report: dict[str, Any]) -> None:
+        """Why the run stopped before its last step (the Trainer's stop report): the summary's
+        `stopped` line and MLflow tags (`stop.cause`: deadline, spot, signal or stop_after)."""
+        if self.summary_logger is not None:
+            self.summary_logger.stopped = f"after step {report['step']}: {report['reason']}"
+        if self.mlflow is not None:
+            tags = {"stop.cause": report["cause"], "stop.reason": report["reason"]}
+            tags["stop.step"] = str(report["step"])
+            if "spot_notice" in report:
+                tags["spot.interruption_notice"] = report["spot_notice"][:5000]
+            self.mlflow.set_tags(tags)
 
     def log(
         self,
@@ -166,6 +180,7 @@ class SummaryLogger(BaseLogger):
         self.mlflow = mlflow
         # With MLflow on, its logger already observes every step: one summary, read here.
         self.summary = mlflow.summary if mlflow is not None else RunSummary()
+        self.stopped: str | None = None  # TrackedMetrics.record_stop
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self.mlflow is None:
@@ -182,6 +197,7 @@ class SummaryLogger(BaseLogger):
             "last_validation_step": self.summary.last_validation_step,
             **figures,
             "run_dir": str(self.run_dir),
+            "stopped": self.stopped,
             "mlflow": mlflow,
         }
         try:

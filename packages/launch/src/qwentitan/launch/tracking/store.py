@@ -27,6 +27,8 @@ from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, load_spoo
 
 # The folder of a run's reports (RUN_DIR/reports), attached to its MLflow run.
 REPORTS_FOLDER = "reports"
+# Why a run stopped before its last step (a deadline, a spot notice, a signal): `reports/stop.json`.
+STOP = "stop"
 
 RUN_KEY_TAG = "qwentitan.run_key"
 PARENT_TAG = "mlflow.parentRunId"

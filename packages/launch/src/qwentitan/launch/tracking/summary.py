@@ -181,6 +181,8 @@ def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | No
         ("warm-up", f"{warmup:.1f} s (first step, compilation included)" if warmup else "n/a"),
         ("checkpoints", str(checkpoint_folder) if checkpoint_folder else "off"),
     ]
+    if report.get("stopped"):
+        rows.append(("stopped", f"{report['stopped']}; --resume continues"))
     mlflow = report.get("mlflow")
     if not mlflow:
         rows.append(("MLflow", "off"))

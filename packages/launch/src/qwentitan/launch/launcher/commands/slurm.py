@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, port, whole_number
 from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags, plan_from_args
 from qwentitan.launch.launcher.slurm import (
@@ -50,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.stop_by or "").strip().startswith("+"):
+        # The script runs when SLURM starts it, not now: a duration from now would drift.
+        raise LaunchError(
+            "slurm writes a script that starts later, so {stop_by} needs an absolute UTC time "
+            "such as 2026-12-03T18:00:00Z (or use --time for a limit from the job's start).",
+            field="stop_by",
+        )
     # the ranks' output goes to a log file, not a terminal
     plan = plan_from_args(args, overrides=(*(args.overrides or ()), *LOG_FILE_OVERRIDES))
     options = SlurmOptions(

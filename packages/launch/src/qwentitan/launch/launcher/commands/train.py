@@ -52,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if plan.note:
         print(f"qwentitan-launch train: note: {plan.note}", flush=True)
     check_before_start(plan, request, folder_given=args.run_dir is not None)
-    run_dir = Path(request.run_dir or "")
+    run_dir = plan.run_folder  # local; on S3 (`--run-dir s3://...`) all but the checkpoints
     if new_folder:
         point_latest(run_dir)  # only now: a refused run leaves no folder behind
     print(describe(plan), flush=True)
     print(
         f"qwentitan-launch train: {plan.recipe} on {plan.ranks_per_node} "
-        f"{plan.topology.device_type} rank(s), {plan.steps} steps, run folder {run_dir}",
+        f"{plan.topology.device_type} rank(s), {plan.steps} steps, run folder {request.run_dir}",
         flush=True,
     )
     started = time.time()
@@ -75,6 +75,7 @@ def _request(args: argparse.Namespace) -> tuple[RunRequest, bool]:
     """The request of this `train` (this host, one node, its run folder), and whether the run
     folder is a new one of its own."""
     from qwentitan.launch.launcher.plan_cli import request_from_args
+    from qwentitan.launch.launcher.remote import is_remote, local_folder, require_backend
     from qwentitan.launch.launcher.run_folder import check_run_folder, resolved
     from qwentitan.launch.recipes import get_recipe
     from qwentitan.launch.runtime.platforms import host_target
@@ -86,10 +87,14 @@ def _request(args: argparse.Namespace) -> tuple[RunRequest, bool]:
             "`qwentitan-launch run`.",
             field="nodes",
         )
+    instance = args.instance or host_target()
+    if args.run_dir is not None and is_remote(args.run_dir):
+        require_backend(args.run_dir)
+        check_run_folder(local_folder(args.run_dir))  # logs, reports and the lock stay here
+        return request_from_args(args, instance=instance, run_dir=args.run_dir.rstrip("/")), False
     folder, new = _run_folder(args.recipe, args.run_dir, args.resume)
     folder = resolved(folder)
     check_run_folder(folder)
-    instance = args.instance or host_target()
     return request_from_args(args, instance=instance, run_dir=str(folder)), new
 
 

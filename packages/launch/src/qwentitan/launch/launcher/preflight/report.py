@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-Status = Literal["pass", "fail", "skip"]
+# "warn": the run can go ahead, but something costs time or money (not a failure).
+Status = Literal["pass", "warn", "fail", "skip"]
 
 
 @dataclass(slots=True)
@@ -35,6 +36,10 @@ class PreflightReport:
         return [c.name for c in self.checks if c.status == "fail"]
 
     @property
+    def warned(self) -> list[str]:
+        return [c.name for c in self.checks if c.status == "warn"]
+
+    @property
     def skipped(self) -> list[str]:
         return [c.name for c in self.checks if c.status == "skip"]
 
@@ -48,6 +53,7 @@ class PreflightReport:
             "host": self.host,
             "passed": self.passed,
             "failed": self.failed,
+            "warned": self.warned,
             "skipped": self.skipped,
             "checks": [asdict(c) for c in self.checks],
         }
@@ -64,7 +70,8 @@ class PreflightReport:
         skipped = (
             f" ({len(self.skipped)} skipped: {', '.join(self.skipped)})" if self.skipped else ""
         )
-        lines.append(f"preflight {verdict}{skipped}")
+        warned = f" ({len(self.warned)} warned: {', '.join(self.warned)})" if self.warned else ""
+        lines.append(f"preflight {verdict}{warned}{skipped}")
         return "\n".join(lines)
 
     def log_to_mlflow(self, tracking_uri: str | None = None, run_id: str | None = None) -> str:

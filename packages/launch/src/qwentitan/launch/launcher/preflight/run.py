@@ -8,6 +8,7 @@ from collections.abc import Callable
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.preflight import (
     checks,
+    compile_cache,
     dataset,
     efa,
     init_ops,
@@ -46,6 +47,7 @@ def run_preflight(
         ("init_ops", lambda: init_ops.check_init_ops(plan)),
         ("initialisation", lambda: weights.check_initialisation(plan, folder, host)),
         ("disk", lambda: checks.check_disk(plan)),
+        ("compile_cache", lambda: compile_cache.check_compile_cache(plan)),
     ]
     if compile_smoke:
         steps.append(
