@@ -86,23 +86,50 @@ def probe(python: Path, modules: tuple[str, ...] = ()) -> dict:
         raise InstallError(f"{python} is not an executable Python; {fix}.")
     try:
         done = subprocess.run(
-            [str(python), "-I", "-B", "-c", _PROBE, *modules],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [str(python), "-I", "-B", "-c", _PROBE, *modules], capture_output=True, timeout=600
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         raise InstallError(f"{python} does not run ({error}); {fix}.") from None
-    lines = done.stdout.strip().splitlines()
+    # bytes: what a program that is no Python prints need not be UTF-8
+    out, err = (data.decode("utf-8", "replace").strip() for data in (done.stdout, done.stderr))
+    lines = out.splitlines()
     try:
         answer = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         answer = None
-    if done.returncode != 0 or not isinstance(answer, dict) or answer.get("probe") != PROBE_TAG:
-        said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:]
+    if done.returncode != 0 or not _answered(answer):
+        said = (err or out).splitlines()[-1:]
         heard = f", last said {said[0][:160]!r}" if said else ""
         raise InstallError(
             f"{python} did not answer as a Python venv does (exit {done.returncode}{heard}); {fix}."
         )
     return answer
+
+
+# What the probe's answer holds, each field of the type the checks after it read.
+_ANSWER = {"python": list, "prefix": str, "base_prefix": str, "base_executable": str,
+           "site": list, "dists": dict, "modules": dict}  # fmt: skip
+_DIST = {"name": str, "version": str, "site": str, "record": str, "requires": list, "extras": list,
+         "requires_python": str | type(None)}  # fmt: skip
+
+
+def _answered(answer: object) -> bool:
+    """Whether `answer` is what `_PROBE` prints: a program that is not the probe's Python
+    (a script named bin/python) may print any JSON, even one with the tag."""
+    if not isinstance(answer, dict) or answer.get("probe") != PROBE_TAG:
+        return False
+    if not all(isinstance(answer.get(key), kind) for key, kind in _ANSWER.items()):
+        return False
+    version, site, dists = answer["python"], answer["site"], answer["dists"]
+    return (
+        len(version) == 3
+        and all(type(part) is int for part in version)
+        and all(isinstance(folder, str) for folder in site)
+        and all(
+            isinstance(dist, dict) and all(isinstance(dist.get(k), t) for k, t in _DIST.items())
+            for dist in dists.values()
+        )
+    )
 
 
 def version_of(found: dict, name: str) -> str | None:

@@ -324,6 +324,45 @@ def test_what_is_not_a_venv_is_refused_in_one_sentence(tmp_path):
         assert named in done.stderr and "--neuron-venv" in done.stderr
 
 
+TAGGED = '{"probe": "qwentitan-neuron-venv-probe/1"'
+
+
+@pytest.mark.parametrize(
+    "prints",
+    [
+        b"\xff\xfe not UTF-8",  # bytes no decoder takes
+        TAGGED.encode() + b"}",  # the tag, nothing else
+        TAGGED.encode() + b', "python": "3.12", "prefix": "/v", "base_prefix": "/b", '
+        b'"base_executable": "", "site": [], "dists": {}, "modules": {}}',  # a version as text
+        TAGGED.encode() + b', "python": [3, 12, 1], "prefix": "/v", "base_prefix": "/b", '
+        b'"base_executable": "", "site": [], "dists": {"torch": "2.14.0"}, "modules": {}}',
+        b"[3, 12, 1]",  # JSON, not the answer
+    ],
+    ids=["not UTF-8", "only the tag", "python as text", "a dist as text", "a list"],
+)
+def test_a_bin_python_that_prints_something_else_is_one_sentence(tmp_path, prints):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "prints").write_bytes(prints + b"\n")
+    (venv / "bin" / "python").write_text(f"#!/bin/sh\ncat {venv / 'prints'}\n")
+    (venv / "bin" / "python").chmod(0o755)
+    done = install_script("--venv", str(venv), "--env", str(tmp_path / "env"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "did not answer as a Python venv does" in done.stderr
+    assert not (tmp_path / "env").exists()
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o600, 0o000])
+def test_a_bin_python_that_is_not_executable_is_one_sentence(tmp_path, mode):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho hello\n")
+    (venv / "bin" / "python").chmod(mode)
+    done = install_script("--venv", str(venv), "--env", str(tmp_path / "env"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "is not an executable Python" in done.stderr
+
+
 @needs_uv
 @needs_312
 def test_an_env_folder_that_is_not_an_earlier_install_or_overlaps_the_venv_is_refused(tmp_path):

@@ -118,21 +118,22 @@ def damaged(tmp_path: Path, name: str, content: bytes) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("content", "line", "words"),
-    [
-        (
-            (GOOD * 2 + '{"text": "cut off\n' + GOOD).encode(),
-            3,
-            "is not JSON (Unterminated string starting at column 10)",
-        ),
-        ((GOOD + '{"content": "no text"}\n').encode(), 2, "has no `text` string"),
-        ((GOOD * 3 + '{"text": 42}\n').encode(), 4, "has no `text` string"),
-        ((GOOD + "[1, 2]\n").encode(), 2, "has no `text` string"),
-        (GOOD.encode() * 4 + '{"text": "caf\xe9"}\n'.encode("latin-1"), 5, "is not UTF-8 (byte 14"),
-    ],
-    ids=["broken-json", "no-text", "text-not-a-string", "not-an-object", "latin-1"],
-)
+BAD_LINES = [
+    (
+        (GOOD * 2 + '{"text": "cut off\n' + GOOD).encode(),
+        3,
+        "is not JSON (Unterminated string starting at column 10)",
+    ),
+    ((GOOD + '{"content": "no text"}\n').encode(), 2, "has no `text` string"),
+    ((GOOD * 3 + '{"text": 42}\n').encode(), 4, "has no `text` string"),
+    ((GOOD + "[1, 2]\n").encode(), 2, "has no `text` string"),
+    (GOOD.encode() * 4 + '{"text": "caf\xe9"}\n'.encode("latin-1"), 5, "is not UTF-8 (byte 14"),
+    (b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00\x00" * 8, 1, "is not UTF-8 (byte 9 of the line)"),
+]
+BAD_LINE_IDS = ["broken-json", "no-text", "text-not-a-string", "not-an-object", "latin-1", "binary"]
+
+
+@pytest.mark.parametrize(("content", "line", "words"), BAD_LINES, ids=BAD_LINE_IDS)
 def test_a_bad_dataset_line_is_named_by_file_and_line(capsys, in_tmp, content, line, words):
     data = damaged(in_tmp, "train.jsonl", content)
     message = refusal(capsys, ["train", "--dataset", str(data)])
@@ -140,6 +141,38 @@ def test_a_bad_dataset_line_is_named_by_file_and_line(capsys, in_tmp, content, l
     assert message.endswith('write one {"text": ...} object per line (c4 style), UTF-8.')
     assert data.read_bytes() == content  # input is never modified
     assert os.listdir(in_tmp) == ["data"]  # no run folder: refused before anything was written
+
+
+@pytest.mark.parametrize(("content", "line", "words"), BAD_LINES, ids=BAD_LINE_IDS)
+def test_preflight_names_a_bad_dataset_line_as_train_does(capsys, in_tmp, content, line, words):
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.preflight.dataset import check_dataset
+    from qwentitan.launch.launcher.request import RunRequest
+
+    data = damaged(in_tmp, "train.jsonl", content)
+    said_by_train = refusal(capsys, ["train", "--dataset", str(data)])
+    result = check_dataset(resolve_plan(RunRequest(recipe="tiny_dense", dataset=str(data))))
+    assert result.status == "fail" and result.detail + "." == said_by_train
+    assert result.detail.startswith(f"Dataset file {data} line {line} {words}")
+    assert data.read_bytes() == content
+
+
+@pytest.mark.parametrize(("content", "line", "words"), BAD_LINES, ids=BAD_LINE_IDS)
+def test_run_plan_checks_the_plans_dataset_before_any_rank(
+    capsys, in_tmp, monkeypatch, content, line, words
+):
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan_file import save_plan
+    from qwentitan.launch.launcher.request import RunRequest
+    from qwentitan.launch.runtime import preemption
+
+    data = damaged(in_tmp, "train.jsonl", content)
+    request = RunRequest(recipe="tiny_dense", dataset=str(data), run_dir=str(in_tmp / "run"))
+    path = save_plan(resolve_plan(request), in_tmp / "job.plan.json")
+    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
+    message = refusal(capsys, ["run", "--plan", str(path)])
+    assert message.startswith(f"Dataset file {data} line {line} {words}")
+    assert data.read_bytes() == content and sorted(os.listdir(in_tmp)) == ["data", "job.plan.json"]
 
 
 def test_every_file_of_a_dataset_folder_is_checked(capsys, in_tmp):
@@ -351,3 +384,146 @@ def test_the_ranks_load_only_a_checked_metadata(in_tmp, caplog):
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(said) == 1 and "posix.system is not allowed" in said[0]
     caplog.clear()  # the rank's one sentence, expected here
+
+
+@pytest.fixture(scope="module")
+def plan_record(tmp_path_factory) -> dict:
+    """A good plan file's record, as `slurm` writes it (tiny_dense on this host)."""
+    import json
+
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan_file import save_plan
+    from qwentitan.launch.launcher.request import RunRequest
+
+    path = save_plan(
+        resolve_plan(RunRequest(recipe="tiny_dense", steps=3)),
+        tmp_path_factory.mktemp("plan") / "job.plan.json",
+    )
+    return json.loads(path.read_text())
+
+
+def _changed(field: str, value: object):
+    return lambda record: record.__setitem__(field, value)
+
+
+def _env(name: str, value: object = "1"):
+    return lambda record: record["env"].__setitem__(name, value)
+
+
+# Each damages a good plan file one way; `said` is the start of the refusal after the path.
+PLAN_FILE_FAULTS = {
+    "PYTHONPATH in env": (_env("PYTHONPATH", "/tmp/x"), "'env' holds \"PYTHONPATH\", which a plan"),
+    "LD_PRELOAD in env": (_env("LD_PRELOAD", "/tmp/x.so"), "'env' holds \"LD_PRELOAD\", which"),
+    "PYTHONSTARTUP in env": (_env("PYTHONSTARTUP", "/tmp/s.py"), "'env' holds \"PYTHONSTARTUP\""),
+    "BASH_ENV in env": (_env("BASH_ENV", "/tmp/s.sh"), "'env' holds \"BASH_ENV\", which a plan"),
+    "env key with =": (_env("NEURON_A=B"), "'env' holds \"NEURON_A=B\", which is not a variable"),
+    "env key with NUL": (_env("NEURON_\0X"), "'env' holds \"NEURON_\\u0000X\", which is not a"),
+    "lower-case env key": (_env("neuron_x"), "'env' holds \"neuron_x\", which is not a variable"),
+    "multi-line env value": (_env("NEURON_X", "a\nb"), "'env' holds \"NEURON_X\", whose value"),
+    "env value a number": (_env("NEURON_X", 7), "'env' holds \"NEURON_X\", whose value 7 is not"),
+    "env a string": (
+        _changed("env", "PYTHONPATH=/tmp"),
+        "'env' \"PYTHONPATH=/tmp\" is not a table",
+    ),
+    "--module override": (
+        _changed("overrides", ["--module", "marker_module"]),
+        "'overrides' holds --modu",
+    ),
+    "--module= override": (
+        _changed("overrides", ["--module=marker_module"]),
+        "'overrides' holds --modul",
+    ),
+    "--config override": (_changed("overrides", ["--config", "x"]), "'overrides' holds --config"),
+    "--job override": (_changed("overrides", ["--job.config-file", "a"]), "'overrides' holds --j"),
+    "string overrides": (
+        _changed("overrides", "--training.steps 3"),
+        "'overrides' \"--training.steps 3\" is not a",
+    ),
+    "integer overrides": (_changed("overrides", [3]), "'overrides' holds 3, which is not an over"),
+    "no overrides": (lambda record: record.pop("overrides"), "has no 'overrides' field"),
+    "nodes a word": (_changed("nodes", "two"), "'nodes' \"two\" is not a whole number"),
+    "nodes 0": (_changed("nodes", 0), "'nodes' 0 is below 1"),
+    "nodes -3": (_changed("nodes", -3), "'nodes' -3 is below 1"),
+    "nodes true": (_changed("nodes", True), "'nodes' true is not a whole number"),
+    "nodes 1.5": (_changed("nodes", 1.5), "'nodes' 1.5 is not a whole number"),
+    "ranks_per_node a string": (_changed("ranks_per_node", "4"), "'ranks_per_node' \"4\" is not"),
+    "max_restarts -1": (_changed("max_restarts", -1), "'max_restarts' -1 is below 0"),
+    "max_restarts a word": (_changed("max_restarts", "three"), "'max_restarts' \"three\" is not"),
+    "resume rm -rf": (_changed("resume", "rm -rf"), "'resume' \"rm -rf\" is not one of fresh"),
+    "lnc null": (_changed("lnc", None), "'lnc' null is not one of 1, 2"),
+    "lnc 3": (_changed("lnc", 3), "'lnc' 3 is not one of 1, 2"),
+    "instance unknown": (_changed("instance", "z9.huge"), "'instance' \"z9.huge\" is not"),
+    "recipe a path": (_changed("recipe", "../x"), "'recipe' \"../x\" is no recipe name"),
+    "plan a list": (_changed("plan", []), "'plan' is not the printed plan"),
+}
+
+
+@pytest.mark.parametrize("damage", PLAN_FILE_FAULTS.values(), ids=list(PLAN_FILE_FAULTS))
+def test_a_plan_file_is_checked_against_its_schema_before_use(
+    capsys, in_tmp, plan_record, monkeypatch, damage
+):
+    import copy
+    import json
+    import sys
+
+    # a module that leaves a mark if anything imports it (a `--module` override would)
+    (in_tmp / "marker_module.py").write_text("open(__file__ + '.imported', 'w').close()\n")
+    monkeypatch.syspath_prepend(str(in_tmp))
+    record = copy.deepcopy(plan_record)
+    change, said = damage
+    change(record)
+    path = in_tmp / "job.plan.json"
+    path.write_text(json.dumps(record))
+    before = path.read_bytes()
+    line = refusal(capsys, ["run", "--plan", str(path), "--dry-run"])
+    assert line.startswith(f"The plan file {path} "), line
+    assert said in line and line.endswith("; write it again with `slurm`."), line
+    assert "marker_module" not in sys.modules and not list(in_tmp.glob("*.imported"))
+    assert path.read_bytes() == before and sorted(os.listdir(in_tmp)) == [
+        "job.plan.json",
+        "marker_module.py",
+    ]
+
+
+def test_a_good_plan_file_runs_dry(capsys, in_tmp, plan_record):
+    import json
+
+    path = in_tmp / "job.plan.json"
+    path.write_text(json.dumps(plan_record))
+    assert cli.main(["run", "--plan", str(path), "--dry-run"]) == 0
+    assert "tiny_dense" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("word", ["--module", "--module=os", "--config=tiny_moe", "--job.dump"])
+def test_an_override_naming_the_module_or_config_is_refused(capsys, in_tmp, word):
+    line = refusal(capsys, ["plan", "--recipe", "tiny_dense", "--", word, "x"])
+    assert line == (
+        f"The override {word} is refused: the recipe alone chooses torchtitan's module and "
+        "config; pass --recipe NAME instead."
+    )
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_a_signal_while_the_launcher_checks_is_one_line(capsys, in_tmp, monkeypatch, command, sig):
+    """Before any rank runs: the launcher's own start-up (plan, checks) ends in one line, exit
+    128 + the signal, and the next signal is the shell's own again."""
+    import signal
+    import time
+
+    from qwentitan.launch.launcher import start
+    from qwentitan.launch.runtime import preemption
+
+    def signalled(*_args, **_kwargs):
+        os.kill(os.getpid(), getattr(signal, sig))
+        time.sleep(5)
+        pytest.fail("the signal did not stop the command")
+
+    monkeypatch.setattr(start.run_folder, "check_free_disk", signalled)
+    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
+    before = signal.getsignal(signal.SIGTERM)
+    argv = [command, "--recipe", "tiny_dense", "--steps", "2", "--run-dir", str(in_tmp / "run")]
+    assert cli.main(argv) == 128 + getattr(signal, sig)
+    said = capsys.readouterr().err
+    assert said == f"qwentitan-launch {command}: stopped by {sig}; run it again.\n"
+    assert signal.getsignal(signal.SIGTERM) == before

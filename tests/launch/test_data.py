@@ -174,3 +174,34 @@ def test_an_empty_slice_ends_the_rank_instead_of_looping(tmp_path, qwen):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert ended.value.code == 2
+
+
+def _rewrite(data, content: bytes) -> None:
+    data.write_bytes(content)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda d: _rewrite(d, d.read_bytes() + b'{"text": "cut off\n'), "line 41 is not JSON"),
+        (lambda d: _rewrite(d, b"\x7fELF\x02\x01\x01\x00\xff\xfe" * 50), "line 1 is not UTF-8"),
+        (lambda d: _rewrite(d, b'{"text": "caf\xe9"}\n' * 30), "line 1 is not UTF-8 (byte 14"),
+        (lambda d: _rewrite(d, b'{"content": "no text"}\n' * 30), "line 1 has no `text` string"),
+        (lambda d: d.unlink(), "does not exist"),
+    ],
+    ids=["a broken line added", "binary", "latin-1", "no text", "removed"],
+)
+def test_a_dataset_changed_after_the_check_ends_the_rank_in_one_sentence(
+    tmp_path, qwen, caplog, change, said
+):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(40)))
+    assert check_dataset(resolve_dataset(str(data)), validating=True) == 40  # the launcher's
+    change(data)
+    make = dict(dp_world_size=1, dp_rank=0, tokenizer=qwen, seq_len=8, local_batch_size=2)
+    with pytest.raises(SystemExit) as ended:
+        next(iter(TextDataLoader.Config(dataset=str(data)).build(**make)))
+    assert ended.value.code == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= 40]
+    assert len(errors) == 1 and str(data) in errors[0] and said in errors[0], errors
+    assert "\n" not in errors[0] and "Traceback" not in errors[0]

@@ -14,6 +14,7 @@ from qwentitan.launch.runtime.preemption import (
     PreemptionWatch,
     ignore_sigusr1,
     ranks_of,
+    supervise,
 )
 
 
@@ -129,6 +130,40 @@ def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path, stopped_exit):
     supervisor.send_signal(signal.SIGTERM)
     assert supervisor.wait(timeout=60) == stopped_exit
     assert marker.read_text() == "saved"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT])
+def test_an_agent_killed_by_a_signal_is_one_line_and_128_plus_it(tmp_path, capfd, sig):
+    """A fake agent that dies of `sig` with its rank running: one line, exit 128 + sig, and the
+    orphaned rank is stopped with the SIGTERM the agent would have sent."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(
+        "import pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(tmp_path / 'stopped')!r})"
+        ".write_text('1'), sys.exit(0)))\n"
+        f"pathlib.Path({str(tmp_path / 'ready')!r}).write_text('1')\n"
+        "time.sleep(60)\n"
+    )
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        "import os, pathlib, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, {str(rank)!r}], start_new_session=True)\n"
+        f"while not pathlib.Path({str(tmp_path / 'ready')!r}).exists():\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(2.5)  # the supervisor has seen the rank (it looks every second)\n"
+        f"os.kill(os.getpid(), {int(sig)})\n"
+    )
+    code = supervise([sys.executable, str(agent)], dict(os.environ), poll_seconds=0.1)
+    assert code == 128 + sig
+    deadline = time.time() + 30
+    while not (tmp_path / "stopped").exists():
+        assert time.time() < deadline, "the orphaned rank was never stopped"
+        time.sleep(0.1)
+    err = capfd.readouterr().err
+    assert err.strip().splitlines() == [
+        f"qwentitan-launch: the torchrun agent was killed by {sig.name}; its ranks were sent "
+        "SIGTERM to stop, and --resume continues from their last checkpoint."
+    ]
 
 
 def test_ranks_of_lists_direct_children_only():

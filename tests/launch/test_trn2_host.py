@@ -242,3 +242,44 @@ def test_fetch_without_the_model_in_an_offline_cache_is_one_sentence(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1 and "Qwen/Qwen3-30B-A3B" in done.stderr
     assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    ("offline", "mode"), [(False, 0o700), (True, 0o755)], ids=["downloaded", "download fails"]
+)
+def test_fetch_keeps_the_users_empty_dir(tmp_path, offline, mode):
+    files = {"config.json": b'{"model_type": "qwen3"}', "tokenizer.json": b"{}"}
+    cache = tmp_path / "hub"
+    if not offline:
+        hub_cache(cache, "Qwen/Qwen3-4B-Instruct-2507", files)
+    target = tmp_path / "mine"
+    target.mkdir(mode=mode)
+    target.chmod(mode)
+    inode = target.stat().st_ino
+
+    done = fetch("--recipe", "qwen3_4b_hf", "--dir", str(target), cache=cache)
+
+    assert "Traceback" not in done.stderr
+    assert target.is_dir() and target.stat().st_ino == inode
+    assert target.stat().st_mode & 0o777 == mode
+    if offline:
+        assert done.returncode == 2 and done.stderr.count("\n") == 1
+        assert list(target.iterdir()) == []
+    else:
+        assert done.returncode == 0, done.stderr
+        assert {p.name: p.read_bytes() for p in target.iterdir()} == files
+
+
+@pytest.mark.parametrize("content", [b"", b"notes", b"\x00\xff"])
+def test_fetch_dir_naming_a_file_is_one_sentence_and_keeps_it(tmp_path, capsys, content):
+    from qwentitan.launch.launcher import cli
+
+    target = tmp_path / "model"
+    target.write_bytes(content)
+    assert cli.main(["fetch", "--recipe", "qwen3_4b_hf", "--dir", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"qwentitan-launch fetch: --dir {target} is a file; pass --dir naming a new or empty "
+        "folder for the model.\n"
+    )
+    assert target.read_bytes() == content and sorted(os.listdir(tmp_path)) == ["model"]

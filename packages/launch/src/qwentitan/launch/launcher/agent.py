@@ -6,7 +6,8 @@ is a table of the failed ranks printed as a traceback, after the rank has alread
 wrong (a failed save: one sentence, exit code 2). This agent runs torchrun's own `parse_args` and
 `run` (same flags, rendezvous, restarts) and ends such a job with one line naming the rank and
 with that rank's exit code, so the launcher's exit code is the rank's (2 for a fault the rank
-explained, 1 for a crash or a signal). torchrun's own line for that failure ("failed
+explained, 1 for a crash; 128 + the signal for a rank a signal killed, which said nothing, so
+the line names the signal instead of pointing at the rank's message). torchrun's own line for that failure ("failed
 (exitcode: N) ...") is dropped, since this one replaces it. A SIGTERM to the agent itself (SLURM
 signalling every process, or the launcher dying: its PR_SET_PDEATHSIG) makes torchrun pass it
 to the ranks, which checkpoint, and then raise `SignalException`: that too ends in one line
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # torchrun's lines that this agent's own one line replaces: (logger, message start).
 _REPLACED = (
@@ -58,16 +60,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 128 + int(stopped.sigval)
     except ChildFailedError as failed:
-        rank, failure = failed.get_first_failure()
-        code = failure.exitcode if failure.exitcode > 0 else 1
-        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else "a signal"
-        print(
-            f"qwentitan-launch: rank {rank} ended with {how}; its own message is above.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return code
+        rank, failure = _cause(failed)
+        print(f"qwentitan-launch: {_ended(rank, failure.exitcode)}", file=sys.stderr, flush=True)
+        return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1
     return 0
+
+
+def _cause(failed: Any) -> tuple[int, Any]:
+    """The failed rank to name: one a signal other than SIGTERM killed (its peers then fail on
+    the lost connection, and torchrun SIGTERMs the rest), else the first that exited with an
+    error, else the first killed by SIGTERM. torchrun's own `get_first_failure` goes by
+    timestamps in whole seconds, which tie in such a cascade."""
+    import signal
+
+    def rank_of(item: tuple[int, Any]) -> tuple[int, int, int]:
+        rank, failure = item
+        code = failure.exitcode
+        kind = 0 if code < 0 and -code != signal.SIGTERM else 1 if code > 0 else 2
+        return kind, failure.timestamp, rank
+
+    return min(failed.failures.items(), key=rank_of)
+
+
+def _ended(rank: int, exitcode: int) -> str:
+    """How rank `rank` ended, said once; a rank a signal killed said nothing of its own."""
+    if exitcode >= 0:
+        return f"rank {rank} ended with exit code {exitcode}; its own message is above."
+    import signal
+
+    name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else -exitcode
+    return (
+        f"rank {rank} was killed by {name}, so it said nothing itself; --resume continues from "
+        "the last checkpoint."
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 A command module defines `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
 Errors a user can cause become one sentence on stderr and exit code 2, never a traceback; a
 sentence about a request field names it by the flag the user typed (`plan_cli.phrasing`).
+A SIGTERM or SIGHUP before any rank runs (while the launcher plans and checks; once the ranks
+run, `supervise` forwards them) unwinds the command like Ctrl-C, so its temporary files go, and
+ends it in one line with exit code 128 + the signal.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -49,8 +53,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Stopped(BaseException):
+    """A SIGTERM / SIGHUP: a BaseException, as KeyboardInterrupt, so no `except Exception`
+    (a preflight check's) takes it for a failure and carries on."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise _Stopped(signal.Signals(signum))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args)
+    except _Stopped as stopped:
+        sig = stopped.args[0]
+        print(
+            f"qwentitan-launch {args.command}: stopped by {sig.name}; run it again.",
+            file=sys.stderr,
+        )
+        return 128 + int(sig)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except user_errors() as error:

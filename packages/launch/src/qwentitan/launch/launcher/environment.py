@@ -4,7 +4,9 @@ The plan writes a few variables every rank needs (`plan_env`: torchrun restarts,
 MLflow's HTTP limits) and records where each value came from; `check_shell` refuses, when the
 plan is resolved, a shell that would contradict it; `rank_env` lays the plan's variables over the
 shell when the ranks start. This is the only environment qwentitan.launch writes: the ranks'
-process environment, never its own `os.environ`.
+process environment, never its own `os.environ`. What `plan_env` may write is all a plan file
+may carry (`plan_env_refusal`): a file's `PYTHONPATH` or `LD_PRELOAD` would run code in every
+process of every node.
 
 The runtime's LNC (`NEURON_LOGICAL_NC_CONFIG`) and the compiler's must be equal: the Neuron SDK
 does not support compiling for another LNC than the runtime's (aws-neuron/aws-neuron-sdk,
@@ -24,6 +26,7 @@ one device (torch_neuronx/distributed/backend.py, `_set_rt_visible_cores` and
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +47,13 @@ DEFAULT_COMPILE_CACHE = "~/.cache/qwentitan/neuron-compile-cache"
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
 # Where a value of the plan came from, as `plan` prints it.
 FLAG, ENVIRONMENT, DEFAULT, PLAN = "flag", "environment", "default", "plan"
+SOURCES = (FLAG, ENVIRONMENT, DEFAULT, PLAN)
+# What `plan_env` may write, so all a plan file's `env` may hold: these names, and the names of
+# these families (Neuron's runtime and compile cache, libfabric/EFA, MLflow's HTTP limits).
+PLAN_ENV_NAMES = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)
+PLAN_ENV_PREFIXES = ("NEURON_", "TORCH_NEURONX_", "FI_", "MLFLOW_HTTP_REQUEST_")
+PLAN_ENV_RULE = f"{', '.join(PLAN_ENV_NAMES)} or {'*, '.join(PLAN_ENV_PREFIXES)}* only"
+_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 # Every spelling of the compiler's LNC option: neuronx-cc documents `--logical-nc-config` and
 # `-lnc`; TorchNeuron itself passes `--lnc`.
 _LNC_FLAGS = ("--lnc", "-lnc", "--logical-nc-config")
@@ -138,6 +148,19 @@ def plan_env(
         # MLflow reads its HTTP limits only from the environment; a user's own settings win.
         env.update({k: v for k, v in bounded_http(mlflow_timeout_s).items() if k not in shell})
     return env, {name: sources.get(name, PLAN) for name in env}
+
+
+def plan_env_refusal(name: object, value: object) -> str | None:
+    """Why a plan may not set variable `name` to `value` (None: it may): only what `plan_env`
+    writes, as plain one-line strings, never a variable that makes Python or the loader run code
+    (PYTHONPATH, LD_PRELOAD, ...)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        return "which is not a variable name ([A-Z_][A-Z0-9_]*)"
+    if name not in PLAN_ENV_NAMES and not name.startswith(PLAN_ENV_PREFIXES):
+        return f"which a plan does not set ({PLAN_ENV_RULE})"
+    if not isinstance(value, str) or any(c in value for c in "\n\r\0"):
+        return f"whose value {value!r:.60} is not a one-line string"
+    return None
 
 
 def rank_env(

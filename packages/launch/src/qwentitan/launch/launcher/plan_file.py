@@ -6,7 +6,8 @@ the ranks' environment with where each value came from, the resume mode and rest
 loads it through `plan_from_overrides`, so torchtitan's parser builds the very config the file
 names and the plan's checks run again against this node's software; the environment is the
 file's, never re-derived from the node's shell. The plan as printed (`to_dict`) is kept beside
-them for the reader. JSON, written to a temporary sibling and renamed.
+them for the reader. JSON, written to a temporary sibling and renamed; read back only after it
+passes the one schema of `plan_schema` (types, ranges, the variables a plan may set).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import get_topology
 from qwentitan.launch.launcher.plan import LaunchPlan, plan_from_overrides
-from qwentitan.launch.launcher.request import RunRequest
+from qwentitan.launch.launcher.plan_schema import check_record
+from qwentitan.launch.launcher.request import TRAINER_FIELDS, RunRequest
 
-__all__ = ["FORMAT", "load_plan", "save_plan"]
+__all__ = ["FORMAT", "load_plan", "planned_inputs", "save_plan"]
 
 FORMAT = "qwentitan-plan/1"
 
@@ -43,6 +45,8 @@ def save_plan(plan: LaunchPlan, path: str | Path) -> Path:
         "max_restarts": plan.max_restarts,
         "plan": plan.to_dict(),
     }
+    # the nodes' own check, here first: a plan no node would accept is never written
+    check_record(json.loads(json.dumps(record)), path)
     path.parent.mkdir(parents=True, exist_ok=True)
     from qwentitan.checkpoint.files import atomic_file  # its package imports torch, for now
 
@@ -64,7 +68,7 @@ def load_plan(
         instance=record["instance"],
         lnc=record["lnc"],
         ranks_per_node=record["ranks_per_node"],
-        nodes=int(record["nodes"]),
+        nodes=record["nodes"],
         global_batch_size=record["plan"]["global_batch"] if pinned else None,
         rdzv_endpoint=rdzv_endpoint,
         max_restarts=record["max_restarts"] if max_restarts is None else max_restarts,
@@ -82,6 +86,22 @@ def load_plan(
     )
 
 
+def planned_inputs(plan: LaunchPlan) -> dict[str, str]:
+    """The local inputs a plan's overrides name (`dataset`, `tokenizer`, as request fields), so a
+    node checks them as `train` checks its flags before the ranks start: the last value of each
+    field's first override (`--flag VALUE` or `--flag=VALUE`), as torchtitan's parser takes it."""
+    found: dict[str, str] = {}
+    words = plan.overrides
+    for name in ("dataset", "tokenizer"):
+        flag = TRAINER_FIELDS[name][0]
+        for i, word in enumerate(words):
+            if word == flag and i + 1 < len(words):
+                found[name] = words[i + 1]
+            elif word.startswith(flag + "="):
+                found[name] = word.split("=", 1)[1]
+    return found
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -95,4 +115,5 @@ def _read(path: Path) -> dict[str, Any]:
         raise LaunchError(
             f"{path} is not a plan file of this qwentitan ({FORMAT}); write it again with `slurm`."
         )
+    check_record(record, path)  # before any value reaches torchtitan, torchrun or a rank
     return record

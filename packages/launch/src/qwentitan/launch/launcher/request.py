@@ -19,7 +19,7 @@ from qwentitan.launch.base.deadline import format_utc, parse_stop_by
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.remote import is_remote, local_folder
 
-__all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest"]
+__all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest", "override_refusal"]
 
 AC_MODES = ("none", "selective", "full")
 # What the ranks do with the checkpoints already in the run folder (torchtitan itself always
@@ -47,6 +47,19 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
     "tokenizer": ("--hf-assets-path",),
     "validate_every": ("--validator.freq",),
 }
+
+
+# Overrides that would choose what torchtitan's parser imports and which config it builds
+# (`--module` imports any installed module) or load a config file: the recipe names those.
+_RESERVED = ("--module", "--config", "--job.", "--job-")
+
+
+def override_refusal(word: str) -> str | None:
+    """Why `word` may not be a trainer override (None: it may)."""
+    name = word.split("=", 1)[0]
+    if name in _RESERVED[:2] or name.startswith(_RESERVED[2:]):
+        return "the recipe alone chooses torchtitan's module and config"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +131,13 @@ class RunRequest:
                     field=name,
                 )
 
+        for word in self.overrides:
+            why = override_refusal(word)
+            if why:
+                raise LaunchError(
+                    f"The override {word} is refused: {why}; pass {{recipe}} NAME instead.",
+                    field="recipe",
+                )
         if self.stop_by is not None:
             object.__setattr__(self, "stop_by", _absolute_stop_by(self.stop_by))
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher import run_folder
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.request import RunRequest
 
-__all__ = ["check_before_start", "check_host", "check_inputs", "launch"]
+if TYPE_CHECKING:
+    from qwentitan.launch.runtime.data import DataSource
+
+__all__ = ["check_before_start", "check_host", "check_inputs", "check_local_dataset", "launch"]
 
 
 def check_host(plan: LaunchPlan) -> None:
@@ -46,21 +50,25 @@ def check_host(plan: LaunchPlan) -> None:
 
 def check_inputs(plan: LaunchPlan, request: RunRequest) -> None:
     """The request's local tokenizer folder and dataset, as every rank will read them."""
-    from qwentitan.launch.runtime.data import (
-        OFFLINE,
-        check_dataset,
-        check_tokenizer_folder,
-        resolve_dataset,
-    )
+    from qwentitan.launch.runtime.data import OFFLINE, check_tokenizer_folder, resolve_dataset
 
     if request.tokenizer is not None:
         check_tokenizer_folder(request.tokenizer)
     if request.dataset not in (None, OFFLINE):
-        check_dataset(
-            resolve_dataset(request.dataset),
-            holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
-            validating=bool(plan.config.validator.enable),
-        )
+        check_local_dataset(plan, resolve_dataset(request.dataset))
+
+
+def check_local_dataset(plan: LaunchPlan, source: DataSource) -> int:
+    """Every line of a dataset's files as the plan's ranks will read them, and enough documents
+    for its slices: `train`, `run` and preflight's dataset check all refuse here, naming the
+    file, line and byte. Its number of documents."""
+    from qwentitan.launch.runtime.data import check_dataset
+
+    return check_dataset(
+        source,
+        holdout_every=getattr(plan.config.dataloader, "holdout_every", 20),
+        validating=bool(plan.config.validator.enable),
+    )
 
 
 def check_before_start(plan: LaunchPlan, request: RunRequest, *, folder_given: bool) -> None:

@@ -66,6 +66,9 @@ CAUSES = {
     SPOT_NOTICE: ("spot", "spot interruption notice from the instance metadata service"),
 }
 _active: PreemptionWatch | None = None
+# How often `SignalForwarder` looks up its targets while no signal waits, so that a child dying
+# without passing a signal on (a killed torchrun agent) leaves a recent list of them.
+_TARGETS_EVERY_S = 1.0
 
 
 class PreemptionWatch:
@@ -224,6 +227,7 @@ class SignalForwarder:
         self.interrupting = interrupting
         self.poll_seconds = poll_seconds
         self.received: list[signal.Signals] = []
+        self.last_targets: list[int] = []  # as last seen, for when the child dies without them
         self._running = False
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -247,6 +251,7 @@ class SignalForwarder:
         if self.interrupting and self.received:
             raise KeyboardInterrupt
         delivered: dict[int, int] = {}  # target pid -> how many of `received` it has been sent
+        seen_at = -_TARGETS_EVERY_S
         self._running = True
         try:
             child = subprocess.Popen(
@@ -256,7 +261,12 @@ class SignalForwarder:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     code = child.wait(timeout=self.poll_seconds)
                     break
-                for pid in self.targets(child.pid) if self.received else ():
+                # Who the targets are is read at once when a signal waits, and every few
+                # seconds else (reading the process table costs where thousands run).
+                if self.received or time.monotonic() >= seen_at + _TARGETS_EVERY_S:
+                    self.last_targets = self.targets(child.pid) or self.last_targets
+                    seen_at = time.monotonic()
+                for pid in self.last_targets if self.received else ():
                     for sig in self.received[delivered.get(pid, 0) :]:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(pid, FORWARDED[sig])
@@ -281,4 +291,21 @@ def supervise(
     stopped: `run` tells that apart from a finished run, so a scheduler can start it again)."""
     with SignalForwarder(ranks_of, poll_seconds=poll_seconds) as forwarder:
         code = forwarder.run(argv, env)
+    if code < 0:
+        return _agent_killed(signal.Signals(-code), forwarder.last_targets)
     return stopped_exit if code == 0 and forwarder.received else code
+
+
+def _agent_killed(sig: signal.Signals, ranks: list[int]) -> int:
+    """The torchrun agent died of `sig` and could say nothing: its ranks, which would otherwise
+    train on as orphans, get the SIGTERM the agent would have sent (they checkpoint at the next
+    step boundary); one line; exit code 128 + the signal, as a shell reports it."""
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    os.write(
+        2,
+        f"qwentitan-launch: the torchrun agent was killed by {sig.name}; its ranks were sent "
+        "SIGTERM to stop, and --resume continues from their last checkpoint.\n".encode(),
+    )
+    return 128 + int(sig)

@@ -4,14 +4,17 @@ Through huggingface_hub's `snapshot_download` into its cache (resumable, shared 
 transformers; `HF_HOME` / `HF_HUB_CACHE` move it, `HF_TOKEN` authenticates, `HF_HUB_OFFLINE=1`
 serves it from the cache alone), then linked (hard links, copies across file systems) into the
 folder the recipe reads, through a temporary sibling renamed into place at the end: the folder
-is either absent or whole.
+is either absent or whole. A `--dir` the user made and left empty is kept and filled instead
+(through a hidden folder inside it), and left empty if the download fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from qwentitan.launch.base import env_defaults
@@ -68,16 +71,40 @@ def fetch(
     files = sorted(p for p in snapshot.rglob("*") if p.is_file())
     if not files:
         raise LaunchError(f"The Hub snapshot of {repo_id} holds no files; check --revision.")
-    with atomic_folder(target) as tmp:
-        for source in files:
-            dest = tmp / source.relative_to(snapshot)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            blob = source.resolve()  # the cache's snapshot entries are links to its blobs
-            try:
-                os.link(blob, dest)
-            except OSError:
-                shutil.copyfile(blob, dest)
+    if target.is_dir():
+        _fill_kept(target, snapshot, files)
+    else:
+        with atomic_folder(target) as tmp:
+            _link(snapshot, files, tmp)
     return len(files)
+
+
+def _link(snapshot: Path, files: list[Path], folder: Path) -> None:
+    for source in files:
+        dest = folder / source.relative_to(snapshot)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        blob = source.resolve()  # the cache's snapshot entries are links to its blobs
+        try:
+            os.link(blob, dest)
+        except OSError:
+            shutil.copyfile(blob, dest)
+
+
+def _fill_kept(target: Path, snapshot: Path, files: list[Path]) -> None:
+    """Fill the user's own empty folder, which stays (its owner, mode, a mount there): through a
+    hidden folder inside it, moved in at the end with config.json last, since config.json is
+    what marks a whole model folder; on any failure the folder is left empty, as it was."""
+    with tempfile.TemporaryDirectory(prefix=".qwentitan-fetch-", dir=target) as tmp:
+        _link(snapshot, files, Path(tmp))
+        entries = sorted(Path(tmp).iterdir(), key=lambda p: p.name == "config.json")
+        try:
+            for entry in entries:
+                os.rename(entry, target / entry.name)
+        except BaseException:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    os.rename(target / entry.name, entry)  # back out: removed with tmp
+            raise
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
             f"Recipe {args.recipe} needs no download (it builds its model and tokenizer here)."
         )
     target = (args.dir or recipe_folder(args.recipe)).absolute()
+    if target.exists() and not target.is_dir():
+        raise LaunchError(
+            f"--dir {target} is a file; pass --dir naming a new or empty folder for the model."
+        )
     if (target / "config.json").is_file():
         print(f"{target} already holds a model folder; remove it to fetch {info.hub_model} again.")
         return 0
@@ -94,8 +125,6 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError(
             f"{target} exists and is not a model folder; move it away or pass --dir elsewhere."
         )
-    if target.exists():
-        target.rmdir()  # empty: the rename at the end puts the whole folder there
     which = "config and tokenizer of " if info.hub_files else ""
     print(f"fetching {which}{info.hub_model} into {target}", flush=True)
     try:

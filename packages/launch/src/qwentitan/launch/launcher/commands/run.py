@@ -68,8 +68,13 @@ def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.launcher.start import check_before_start, launch
     from qwentitan.launch.runtime.preemption import STOPPED_EXIT
 
-    # a plan file's inputs were checked where it was written; its run folder is named in it
+    # a plan file's run folder is named in it; its local inputs are checked here, on the node
+    # that reads them, as `train` checks its own
     request = request_from_args(args, recipe=plan.recipe)
+    if args.plan:
+        from qwentitan.launch.launcher.plan_file import planned_inputs
+
+        request = request.replace(**planned_inputs(plan))
     check_before_start(plan, request, folder_given=True)
     # A stop on a signal (checkpoint saved) is not success: the scheduler may start it again.
     return launch(plan, stopped_exit=STOPPED_EXIT)

@@ -11,8 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from qwentitan.launch.base.env_defaults import hub_offline
+from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.preflight.report import CheckResult
+from qwentitan.launch.launcher.start import check_local_dataset
 
 # Measured on the offline corpus with Qwen3's tokenizer (1,535,872 bytes -> 336,957 tokens);
 # used only to say about how many times a run goes over local data.
@@ -60,7 +62,11 @@ def check_dataset(plan: LaunchPlan) -> CheckResult:
     try:
         with hub_offline():
             source = resolve_dataset(spec)
+            if source.is_local:  # as `train` and `run` check it: file, line and byte
+                check_local_dataset(plan, source)
             shape, which = first_batch_shape(plan)
+    except LaunchError as error:  # a local file the ranks could not read, said as train says it
+        return CheckResult("dataset", "fail", str(error).removesuffix("."), figures)
     except Exception as error:  # anything that stops the read is what the ranks would meet
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
         return CheckResult(

@@ -22,6 +22,7 @@ is that every rank tokenizes every window (about 65k tokens a step for a global 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -114,7 +115,14 @@ def _fingerprint(files: tuple[str, ...]) -> str:
     """Names the cached Arrow table of `files`: their paths, sizes and modification times, and
     the reading rules' module, so an edited file or rule is read again."""
     rules = Path(sys.modules[read_documents.__module__].__file__ or "")
-    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in (*files, str(rules))]
+    try:
+        stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in (*files, str(rules))]
+    except OSError as error:  # removed since it was resolved
+        raise LaunchError(
+            f"Dataset file {error.filename} cannot be read ({error.strerror}); check the file "
+            "or pass another {dataset}.",
+            field="dataset",
+        ) from None
     return "qwentitan-" + hashlib.sha256(repr(stats).encode()).hexdigest()[:32]
 
 
@@ -211,6 +219,23 @@ class _TextDataset(HuggingFaceTextDataset):
         super().reloop()
 
 
+@contextlib.contextmanager
+def _said_in_one_sentence() -> Iterator[None]:
+    """A local dataset changed since the launcher checked it (rewritten, cut short, removed)
+    ends this rank with the check's own sentence, naming file and line (exit 2), not with the
+    traceback `datasets` wraps around it, on every rank."""
+    try:
+        yield
+    except Exception as error:
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, LaunchError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        logger.error(f"{cause} (read by this rank after the launcher's check)")
+        raise SystemExit(2) from None
+
+
 class TextDataLoader(ParallelAwareDataloader):
     """torchtitan's text dataloader, fed from `dataset` (see `resolve_dataset`)."""
 
@@ -241,17 +266,18 @@ class TextDataLoader(ParallelAwareDataloader):
         snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
-        key = _register(resolve_dataset(config.dataset), config.split, config.holdout_every)
-        dataset = _TextDataset(
-            dataset_name=key,
-            dataset_path=None,
-            tokenizer=tokenizer,
-            seq_len=seq_len,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-            local_batch_size=local_batch_size,
-            infinite=config.infinite,
-        )
+        with _said_in_one_sentence():
+            key = _register(resolve_dataset(config.dataset), config.split, config.holdout_every)
+            dataset = _TextDataset(
+                dataset_name=key,
+                dataset_path=None,
+                tokenizer=tokenizer,
+                seq_len=seq_len,
+                dp_rank=dp_rank,
+                dp_world_size=dp_world_size,
+                local_batch_size=local_batch_size,
+                infinite=config.infinite,
+            )
         super().__init__(
             dataset,
             dp_rank=dp_rank,
