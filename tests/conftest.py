@@ -70,26 +70,18 @@ def hermetic_environment(tmp_path_factory: pytest.TempPathFactory):
 
 @contextlib.contextmanager
 def _output_to(path: Path) -> Iterator[None]:
-    """Send this process's stdout and stderr (so its children's) to `path`: the file descriptors,
-    and `sys.stdout`/`sys.stderr`, which pytest's capture otherwise keeps for itself (the
-    launcher's own lines, its plan and Summary, belong in the log too)."""
+    """Send this process's stdout and stderr file descriptors (so its children's) to `path`."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    with (
-        path.open("w") as out,
-        open(1, "w", buffering=1, closefd=False) as stdout,
-        open(2, "w", buffering=1, closefd=False) as stderr,
-        contextlib.redirect_stdout(stdout),
-        contextlib.redirect_stderr(stderr),
-    ):
+    with path.open("w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
         try:
             yield
         finally:
-            stdout.flush()
-            stderr.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
             for fd, copy in zip((1, 2), saved, strict=True):
                 os.dup2(copy, fd)
                 os.close(copy)
