@@ -71,7 +71,13 @@ def test_stop_by_ends_the_run_in_time_with_a_checkpoint(deadline_run):
     assert budget["save_measured"] and budget["margin_s"] > 0 and budget["step_s"] > 0
     # The rank stopped because one more step and its save would have crossed the margin.
     assert budget["seconds_left"] <= budget["step_s"] + budget["save_s"] + budget["margin_s"]
-    assert f"stopped          after step {saved[-1]}: --stop-by deadline" in log
+    # The Summary the launcher prints (to pytest's capture here, not the ranks' log), as it
+    # formats it from the metrics rank's summary.json.
+    from qwentitan.launch.tracking.summary import format_summary
+
+    summary = json.loads((run_dir / "reports" / "summary.json").read_text(encoding="utf-8"))
+    block = format_summary(summary, run_dir / "checkpoint")
+    assert f"stopped          after step {saved[-1]}: --stop-by deadline" in block
     print(f"stop-by budget: {budget}; ended {deadline - ended:.1f} s before the deadline")
 
 

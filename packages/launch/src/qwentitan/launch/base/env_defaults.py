@@ -65,6 +65,14 @@ def colour() -> bool:
     return value.lower() not in _OFF if value else sys.stdout.isatty()
 
 
+def metadata_endpoint(default: str) -> str | None:
+    """The EC2 instance metadata service, as the AWS SDKs read it: None when
+    `AWS_EC2_METADATA_DISABLED=true`, else `AWS_EC2_METADATA_SERVICE_ENDPOINT` or `default`."""
+    if (_value("AWS_EC2_METADATA_DISABLED") or "").strip().lower() == "true":
+        return None
+    return (_value("AWS_EC2_METADATA_SERVICE_ENDPOINT") or default).rstrip("/")
+
+
 def mlflow_enabled() -> bool:
     """False when `$QWENTITAN_MLFLOW` is 0/off/false/no (tests, quick local runs)."""
     return (_value(MLFLOW_SWITCH) or "on").lower() not in _OFF

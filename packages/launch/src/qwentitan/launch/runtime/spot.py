@@ -16,7 +16,6 @@ that one probe.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import urllib.error
@@ -24,6 +23,8 @@ import urllib.request
 from collections.abc import Callable
 
 from torchtitan.tools.logging import logger
+
+from qwentitan.launch.base import env_defaults
 
 __all__ = ["DEFAULT_ENDPOINT", "POLL_S", "SpotWatcher", "endpoint"]
 
@@ -39,9 +40,7 @@ _OPEN = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
 
 def endpoint() -> str | None:
     """The metadata service to poll, or None when the environment turns it off."""
-    if os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true":
-        return None
-    return os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    return env_defaults.metadata_endpoint(DEFAULT_ENDPOINT)
 
 
 class SpotWatcher:
