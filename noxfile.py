@@ -21,15 +21,17 @@ NEURON_SDK = runpy.run_path(
 )
 
 
-def _sync(session: nox.Session, *args: str) -> None:
-    """Install exactly what uv.lock says into this session's own environment, compiled."""
+def _sync(session: nox.Session, *args: str, compiled: bool = True) -> None:
+    """Install exactly what uv.lock says into this session's own environment, compiled unless
+    nothing in it runs Python code of ours (ruff is a binary)."""
+    compile_ = _COMPILE if compiled else {"UV_COMPILE_BYTECODE": "0"}
     session.run_install(
         "uv",
         "sync",
         "--locked",
         "--no-default-groups",
         *args,
-        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location, **_COMPILE},
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location, **compile_},
         external=True,
     )
 
@@ -102,7 +104,7 @@ def _pytest_shared(session: nox.Session, *paths: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
-    _sync(session, "--only-group", "dev")
+    _sync(session, "--only-group", "dev", compiled=False)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
