@@ -145,7 +145,8 @@ def test_one_rank_trains_the_two_rank_curve_and_two_ranks_resume_it(uninterrupte
     run_dir = tmp_path / "one-rank"
     pinned = ["--global-batch-size", "2"]
     first, _, log = train(run_dir, "--ranks", "1", "--stop-after", "2", *pinned)
-    assert "dp_shard=1" in log
+    assert "dp_shard=1" in log and sorted(first) == [1, 2] and "Stopping after step 2" in log
+    assert (run_dir / "checkpoint" / "step-2" / ".metadata").exists()
     second, _, log = train(run_dir, "--resume", *pinned)  # _TINY's two ranks
     assert "dp_shard=2" in log and "Training starts at step 3" in log
     losses = {step: loss for step, (loss, _) in {**first, **second}.items()}
