@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from typing import TYPE_CHECKING, Any
 
 from qwentitan.checkpoint import CheckpointError, Qwen3Layout, read_config
 from qwentitan.modeling.errors import ModelingError
 from qwentitan.modeling.flavors import FLAVORS, Flavor, get_flavor
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def flavor_to_hf_config(flavor: str | Flavor) -> PretrainedConfig:
     """The transformers config that builds ``flavor`` (Qwen3Config, or Qwen3MoeConfig for MoE)."""
+    # Imported here: transformers costs every process that imports this package ~0.8 s, and
+    # the native paths' ranks and the launcher's plan never build a transformers config.
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
     f = get_flavor(flavor)
     common: dict[str, Any] = dict(
         vocab_size=f.vocab_size,
@@ -51,7 +57,8 @@ def flavor_to_hf_config(flavor: str | Flavor) -> PretrainedConfig:
 
 
 def _read_config_dict(source: PretrainedConfig | Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    if isinstance(source, PretrainedConfig):
+    transformers = sys.modules.get("transformers")  # not loaded: source is no PretrainedConfig
+    if transformers is not None and isinstance(source, transformers.PretrainedConfig):
         return source.to_dict()
     if isinstance(source, Mapping):
         return dict(source)
