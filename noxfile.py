@@ -92,9 +92,9 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 
 # Two pytest-xdist workers: while one test waits (a process starting, a SLURM job, an install)
-# the other uses the core. A file stays on one worker (tests/conftest.py) and one training runs
-# at a time across them (the `training_slot` fixture).
-PARALLEL = ("-n", "2", "--dist", "loadgroup")
+# the other uses the core. A file stays on one worker (tests/conftest.py's scheduler) and one
+# training runs at a time across them (the `training_slot` fixture).
+PARALLEL = ("-n", "2", "--dist", "loadfile")
 
 
 def _pytest_shared(session: nox.Session, *paths: str) -> None:

@@ -16,15 +16,28 @@ from pathlib import Path
 
 import pytest
 
+# Files whose tests share a session fixture's training: one worker runs them all, so it trains
+# once. Every other file is a group of its own.
+SAME_WORKER = {
+    "tests/integration/test_mlflow_ui.py": "trained_tiny",
+    "tests/integration/test_trn2_preflight.py": "trained_tiny",
+}
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as CI runs) a file's tests stay on one
-    worker, so a module fixture's training runs once; files that share a session fixture's
-    training name one `xdist_group` of their own and stay together."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run may not load
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (`-n 2`, as CI runs) a file's tests stay on one worker, so a module
+    fixture's training runs once, and the files of SAME_WORKER share one. xdist's own
+    `--dist loadgroup` no longer groups on pytest >= 9.2 (it renames `item._nodeid`, which
+    pytest's nodeid no longer reads), so the grouping is done here, by file, in one place."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(path, path)
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,8 @@ from qwentitan.launch.launcher.cli import main as launch_main
 from qwentitan.launch.launcher.pilot import pilot_request, run_pilot, runs_url
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, read_spool
 
-# One worker for the files that share the `trained_tiny` training (tests/conftest.py).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trained_tiny")]
+# One worker for the files that share the `trained_tiny` training (tests/conftest.py: SAME_WORKER).
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "outputs" / "test-artifacts"
 CHROMIUM_FLAGS = [

@@ -13,8 +13,8 @@ from qwentitan.checkpoint import to_hf
 from qwentitan.launch.launcher import cli
 from qwentitan.modeling import flavor_to_hf_config
 
-# One worker for the files that share the `trained_tiny` training (tests/conftest.py).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trained_tiny")]
+# One worker for the files that share the `trained_tiny` training (tests/conftest.py: SAME_WORKER).
+pytestmark = pytest.mark.slow
 
 TINY = ["--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node", "1"]
 
