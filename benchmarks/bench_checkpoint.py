@@ -3,7 +3,9 @@
 Generates (in a child process, so this one stays small) a Hub-style sharded bf16 checkpoint with
 Qwen3-1.7B's shapes (~3.4 GB; `--shapes` picks others, `tiny` for a quick try) in a temporary
 folder, then runs, as a user would, in 3 interleaved rounds after one untimed warm-up round
-(so the page cache is warm, as it is right after a download or a training run):
+(so the page cache is warm, as it is right after a download or a training run); after each
+command, the outputs no later command reads are deleted and synced, so each writes into the
+same free memory:
 
 - `python -c "import torch"`: what any converter pays before its first byte, subtracted;
 - `cp -r SRC COPY && sync`: the disk's own speed, the baseline;
@@ -206,7 +208,15 @@ def bench(name: str, root: Path, rounds: int, before: Path | None, shards: int) 
             shutil.rmtree(folder, ignore_errors=True)
         raw.unlink(missing_ok=True)
         subprocess.run(["sync"], check=True)
-        got = {label: run(argv, envs.get(label)) for label, argv in commands.items()}
+        got = {}
+        for label, argv in commands.items():
+            got[label] = run(argv, envs.get(label))
+            # What no later command reads (cp's copy, dd's file) is deleted, and its pages with
+            # it: each command writes into the same free page cache, not into the reclaim that
+            # the commands before it left (on a 24 GiB machine, five copies of 1.7B fill it).
+            shutil.rmtree(copy, ignore_errors=True)
+            raw.unlink(missing_ok=True)
+            subprocess.run(["sync"], check=True)
         if attempt == 0:
             continue
         for label, (seconds, peak, cpu_s) in got.items():
