@@ -204,9 +204,8 @@ def bench(name: str, root: Path, rounds: int, before: Path | None, shards: int) 
     cpu: dict[str, list[float]] = {label: [] for label in commands}
     rss: dict[str, int] = {}
     for attempt in range(rounds + 1):  # round 0 warms the page cache and is not counted
-        for folder in (copy, dcp, back, old_dcp, old_back):
+        for folder in (dcp, back, old_dcp, old_back):  # cp's copy and dd's file: gone already
             shutil.rmtree(folder, ignore_errors=True)
-        raw.unlink(missing_ok=True)
         subprocess.run(["sync"], check=True)
         got = {}
         for label, argv in commands.items():
