@@ -285,3 +285,36 @@ def test_reading_data_asks_whether_a_stop_is_overdue(tmp_path, monkeypatch):
     key = loader._register(loader.resolve_dataset(str(data)), "train", 20)
     dataset = loader._TextDataset(key, None, Tokens(), seq_len=4, infinite=False)
     assert len(list(dataset)) == 3 and asked == ["loading data"] * 3
+
+
+# A native teardown that aborts, as the rank's C++ teardown once did after a good end: libc's
+# abort() registered with on_exit, which runs after Python's exit handlers.
+_RANK_END = """
+import atexit, ctypes, sys
+from qwentitan.launch.runtime import rank_exit
+libc = ctypes.CDLL(None)
+libc.on_exit(ctypes.cast(libc.abort, ctypes.c_void_p), None)
+atexit.register(print, "an earlier exit handler ran", flush=True)
+{register}
+{end}
+"""
+
+
+@pytest.mark.parametrize(
+    ("register", "end", "returncode"),
+    [
+        # A rank (`-m torchtitan.train`) whose training ended well: exit 0, handlers run.
+        ("atexit.register(rank_exit._leave)", "", 0),
+        # Its main raised after training: reported as before, the exit is not made good.
+        ("atexit.register(rank_exit._leave)", "raise RuntimeError('the save failed')", -6),
+        # Not a rank (a test or notebook training in its own process): its exit is its own.
+        ("rank_exit.leave_cleanly_after_training()", "", -6),
+    ],
+    ids=["ended-well", "main-raised", "not-a-rank"],
+)
+def test_a_rank_that_ended_well_leaves_before_the_native_teardown(register, end, returncode):
+    script = _RANK_END.format(register=register, end=end)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == returncode, done.stderr
+    assert "an earlier exit handler ran" in done.stdout
+    assert ("the save failed" in done.stderr) == bool(end)

@@ -44,6 +44,7 @@ from qwentitan.launch.launcher.plan_rules import (
 )
 from qwentitan.launch.launcher.recipe_config import RECIPES_MODULE, load_config, recipe_names
 from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, RunRequest
+from qwentitan.launch.runtime.rank_exit import TRAIN_ENTRY
 
 __all__ = [
     "AC_MODES",
@@ -57,8 +58,6 @@ __all__ = [
     "resolve_plan",
 ]
 
-# torchtitan's own entry point on every rank; the recipe's Trainer.Config builds our Trainer.
-TRAIN_ENTRY = "torchtitan.train"
 DEFAULT_COMPILE_CACHE = environment.DEFAULT_COMPILE_CACHE
 
 

@@ -8,7 +8,8 @@ step boundary where a run stops early with a checkpoint (`Trainer.at_step_bounda
 a signal, the `--stop-by` budget, a spot notice, each said in RUN_DIR/reports/stop.json), loads
 only of a checked `.metadata` (`checked_loads`), saves that fail in one sentence and leave no
 partial step (`guard_saves`), and the first step timed apart with, on Neuron, the ops
-TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json). Importing
+TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json), and a rank
+that ended well leaving before the native teardown that can abort it (`rank_exit`). Importing
 it quiets the console lines a user cannot act on (`console.quiet_console`).
 """
 
@@ -46,6 +47,7 @@ from qwentitan.launch.runtime.preemption import (
     PreemptionWatch,
     cause_kind,
 )
+from qwentitan.launch.runtime.rank_exit import leave_cleanly_after_training
 from qwentitan.launch.runtime.spot import SpotWatcher, describe_notice, start_watching
 from qwentitan.launch.runtime.stop_clock import StopClock, state_bytes
 from qwentitan.launch.runtime.whole_init import whole_init
@@ -354,6 +356,10 @@ class Trainer(torchtitan_trainer.Trainer):
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             report = {"step": self.step, "seconds": round(seconds, 3), "fallback_ops": fallback}
             attach_report(self.config.dump_folder, FIRST_STEP, report)
+
+    def train(self) -> None:
+        super().train()
+        leave_cleanly_after_training()
 
     def stop_reason(self) -> str | None:
         """Why training should stop at this step boundary, or None to go on.

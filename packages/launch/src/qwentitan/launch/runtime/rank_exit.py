@@ -1,0 +1,48 @@
+"""A rank that trained to its end leaves before the native teardown, which can abort it.
+
+Rarely, a rank that had trained, saved its checkpoint, closed the trainer and destroyed its
+process group then died of SIGABRT while the interpreter tore down: "terminate called without an
+active exception", no Python frame (a C++ thread object destroyed while still joinable; seen once
+in 857 rank exits of this project's CI, on torch 2.11's gloo, rank 1 of 2 while rank 0 was in
+torchtitan's 2 s end-of-training sleep). torchrun then reports the rank as failed and the run as
+failed, after everything was written. So a rank whose training ended well runs Python's exit
+handlers (logging's flush, torch's compile-worker shutdown, ...) and then leaves with exit code
+0 without the native teardown. Where training or the teardown in torchtitan's `main` raised,
+nothing changes: Python reports it and exits 1 as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+
+# torchtitan's own entry point on every rank (`python -m torchtitan.train`); the recipe's
+# Trainer.Config builds our Trainer there.
+TRAIN_ENTRY = "torchtitan.train"
+
+
+def leave_cleanly_after_training() -> None:
+    """Called when `Trainer.train()` returned: at exit, skip the native teardown if the rank
+    ended well (see the module doc). Only in a rank process (`-m torchtitan.train`): a test or
+    notebook that trains in its own process keeps its own exit."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(main_spec, "name", None) == TRAIN_ENTRY:
+        atexit.register(_leave)
+
+
+def _leave() -> None:
+    # An exception that ended torchtitan's main was printed before exit handlers run.
+    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
+        return
+    # Still initialized: torchtitan's main did not reach its destroy_process_group.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return
+    atexit.unregister(_leave)
+    atexit._run_exitfuncs()  # the handlers registered before this one, newest first
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
