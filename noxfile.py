@@ -12,7 +12,7 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "isolation", "integration"]
+nox.options.sessions = ["lint", "isolation"]
 
 PACKAGES = ("kernels", "modeling", "checkpoint", "launch")
 # The Neuron SDK versions, the DLAMI's venv and the indexes: one file, read here by path.
@@ -137,19 +137,27 @@ def tests_trn2_python(session: nox.Session) -> None:
 @nox.parametrize("package", PACKAGES)
 def isolation(session: nox.Session, package: str) -> None:
     """One package, built as a wheel, alone with its declared dependencies: import it, run its tests."""
-    # --reinstall-package: uv would otherwise reuse a cached wheel whose version has not changed.
+    # --reinstall-package: uv would otherwise reuse a cached wheel whose version has not changed
+    # (it rebuilds a workspace member only when its pyproject.toml changes), of this package or
+    # of a sibling it depends on.
     name = f"qwentitan-{package}"
-    _sync(
-        session, "--package", name, "--no-editable", "--reinstall-package", name, "--group", "test"
-    )
+    fresh = [arg for other in PACKAGES for arg in ("--reinstall-package", f"qwentitan-{other}")]
+    _sync(session, "--package", name, "--no-editable", *fresh, "--group", "test")
     session.run("python", "-c", _IMPORT_CHECK.format(package=package))
-    _pytest(session, f"tests/{package}")
+    _pytest(session, f"tests/{package}", *(CROSS_PACKAGE_TESTS if package == "launch" else ()))
+
+
+# The launch package declares the other three, so its environment is the whole stack built as
+# wheels: the cross-package tests run there too, in the launch tests' pytest run (one install
+# and byte-compile fewer, one pytest start, and the two workers kept busy to the end). The
+# `integration` session runs them alone in the workspace's environment.
+CROSS_PACKAGE_TESTS = ("tests/integration",)
 
 
 @nox.session(**SHARED)
 def integration(session: nox.Session) -> None:
     """Tests that cross packages (tests/integration), in the workspace's environment."""
-    _pytest_shared(session, "tests/integration")
+    _pytest_shared(session, *CROSS_PACKAGE_TESTS)
 
 
 # `qwentitan` must stay a namespace (no __init__.py) so the four wheels can share it, and a
