@@ -112,8 +112,17 @@ def nox_train_trn2(*args: str) -> subprocess.CompletedProcess[str]:
         # Faster: nothing compiled at install (the host install compiles E). Nor by the run:
         # pip leaves the DLAMI's venv compiled, so its Python writes no bytecode there, while
         # this stand-in is not compiled (compiling torch would take minutes on CI).
-        env={**os.environ, "UV_COMPILE_BYTECODE": "0", "PYTHONDONTWRITEBYTECODE": "1"},
+        env={**_users_shell(), "UV_COMPILE_BYTECODE": "0", "PYTHONDONTWRITEBYTECODE": "1"},
     )
+
+
+def _users_shell() -> dict[str, str]:
+    """This environment as a user's shell has it: without the variables a nox session running
+    these tests sets, with which `uv run` would sync that session's environment instead of the
+    workspace's (and replace its installed wheels with the workspace's editable packages)."""
+    return {
+        k: v for k, v in os.environ.items() if k not in ("UV_PROJECT_ENVIRONMENT", "VIRTUAL_ENV")
+    }
 
 
 def install_script(*args: str) -> subprocess.CompletedProcess[str]:

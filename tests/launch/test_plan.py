@@ -6,7 +6,7 @@ import pytest
 
 import qwentitan.launch.launcher.plan as plan_module
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.environment import check_shell
+from qwentitan.launch.launcher.environment import CPU_HUGE_PAGES, check_shell, rank_env
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.plan_cli import describe
 
@@ -145,3 +145,10 @@ def test_compile_on_neuron_gets_the_neuron_backend_and_refuses_others():
     with pytest.raises(LaunchError, match=r"^Compile backend 'inductor' does not target trn2"):
         plan(overrides=("--compile.enable", "--compile.backend", "inductor"))
     assert plan(instance="cpu", seq_len=None).config.compile.enable is False
+
+
+def test_cpu_ranks_get_huge_pages_unless_the_shell_says_otherwise():
+    assert rank_env({}, device_type="cpu", ranks_per_node=2, shell={})[CPU_HUGE_PAGES] == "1"
+    shell = {CPU_HUGE_PAGES: "0"}
+    assert rank_env({}, device_type="cpu", ranks_per_node=2, shell=shell)[CPU_HUGE_PAGES] == "0"
+    assert CPU_HUGE_PAGES not in rank_env({}, device_type="neuron", ranks_per_node=2, shell={})

@@ -163,6 +163,14 @@ def plan_env_refusal(name: object, value: object) -> str | None:
     return None
 
 
+# torch's CPU allocator asks for transparent huge pages for its blocks of 2 MB and more. A CPU
+# rank's largest tensors (the logits over Qwen's 151,936-row vocabulary, their gradients) are far
+# above glibc's mmap threshold, so each step maps them afresh and the kernel zero-fills them
+# 4 KiB at a time: on the development VM, 2 ranks of tiny_dense, 6 steps, the same losses to the
+# last digit: sys time 19.3 s -> 8.8 s, tokens/s per rank 235-246 -> 413-491.
+CPU_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
+
+
 def rank_env(
     env: Mapping[str, str],
     *,
@@ -176,6 +184,7 @@ def rank_env(
     if device_type == "cpu":
         threads = max(1, (os.cpu_count() or 1) // ranks_per_node)
         merged.setdefault("OMP_NUM_THREADS", str(threads))
+        merged.setdefault(CPU_HUGE_PAGES, "1")
     # A rank's stdout is torchrun's pipe: whether to colour is the launching process's call.
     merged.setdefault(env_defaults.COLOUR, "1" if env_defaults.colour() else "0")
     return merged
