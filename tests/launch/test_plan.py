@@ -148,7 +148,13 @@ def test_compile_on_neuron_gets_the_neuron_backend_and_refuses_others():
 
 
 def test_cpu_ranks_get_huge_pages_unless_the_shell_says_otherwise():
-    assert rank_env({}, device_type="cpu", ranks_per_node=2, shell={})[CPU_HUGE_PAGES] == "1"
+    cpu = RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2)
+    env = resolve_plan(cpu, shell={}).env
+    assert env[CPU_HUGE_PAGES] == "1"
+    assert rank_env(env, device_type="cpu", ranks_per_node=2, shell={})[CPU_HUGE_PAGES] == "1"
+    # the user's own setting reaches the ranks, not the plan's
     shell = {CPU_HUGE_PAGES: "0"}
-    assert rank_env({}, device_type="cpu", ranks_per_node=2, shell=shell)[CPU_HUGE_PAGES] == "0"
-    assert CPU_HUGE_PAGES not in rank_env({}, device_type="neuron", ranks_per_node=2, shell={})
+    env = resolve_plan(cpu, shell=shell).env
+    assert CPU_HUGE_PAGES not in env
+    assert rank_env(env, device_type="cpu", ranks_per_node=2, shell=shell)[CPU_HUGE_PAGES] == "0"
+    assert CPU_HUGE_PAGES not in plan().env  # a trn2 plan

@@ -48,9 +48,15 @@ EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAF
 # Where a value of the plan came from, as `plan` prints it.
 FLAG, ENVIRONMENT, DEFAULT, PLAN = "flag", "environment", "default", "plan"
 SOURCES = (FLAG, ENVIRONMENT, DEFAULT, PLAN)
+# torch's CPU allocator asks for transparent huge pages for its blocks of 2 MB and more. A CPU
+# rank's largest tensors (the logits over Qwen's 151,936-row vocabulary, their gradients) are far
+# above glibc's mmap threshold, so each step maps them afresh and the kernel zero-fills them
+# 4 KiB at a time: on the development VM, 2 ranks of tiny_dense, 6 steps, the same losses to the
+# last digit: sys time 19.3 s -> 8.8 s, tokens/s per rank 235-246 -> 413-491.
+CPU_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
 # What `plan_env` may write, so all a plan file's `env` may hold: these names, and the names of
 # these families (Neuron's runtime and compile cache, libfabric/EFA, MLflow's HTTP limits).
-PLAN_ENV_NAMES = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)
+PLAN_ENV_NAMES = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", CPU_HUGE_PAGES)
 PLAN_ENV_PREFIXES = ("NEURON_", "TORCH_NEURONX_", "FI_", "MLFLOW_HTTP_REQUEST_")
 PLAN_ENV_RULE = f"{', '.join(PLAN_ENV_NAMES)} or {'*, '.join(PLAN_ENV_PREFIXES)}* only"
 _NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
@@ -122,7 +128,8 @@ def plan_env(
     mlflow_timeout_s: int | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """What every rank of a node needs, and where each value came from (FLAG, ENVIRONMENT,
-    DEFAULT or PLAN): torchrun restarts; Neuron; EFA across nodes; MLflow's HTTP limits."""
+    DEFAULT or PLAN): torchrun restarts; Neuron; huge pages on CPU; EFA across nodes; MLflow's
+    HTTP limits."""
     # torchrun's c10d rendezvous shares its TCPStore with the ranks by default, and torch 2.14
     # does not prefix the ranks' keys per restart attempt: after a --max-restarts restart, gloo
     # reads the dead ranks' addresses. With sharing off, rank 0 hosts a fresh store each attempt.
@@ -140,6 +147,8 @@ def plan_env(
         else:
             cache, sources[COMPILE_CACHE] = DEFAULT_COMPILE_CACHE, DEFAULT
         env[COMPILE_CACHE] = str(Path(cache).expanduser())
+    if topology.device_type == "cpu" and CPU_HUGE_PAGES not in shell:  # a user's setting wins
+        env[CPU_HUGE_PAGES] = "1"
     if nodes > 1 and topology.target.efa:
         env.update(EFA_ENV)
     if mlflow_timeout_s is not None:
@@ -163,14 +172,6 @@ def plan_env_refusal(name: object, value: object) -> str | None:
     return None
 
 
-# torch's CPU allocator asks for transparent huge pages for its blocks of 2 MB and more. A CPU
-# rank's largest tensors (the logits over Qwen's 151,936-row vocabulary, their gradients) are far
-# above glibc's mmap threshold, so each step maps them afresh and the kernel zero-fills them
-# 4 KiB at a time: on the development VM, 2 ranks of tiny_dense, 6 steps, the same losses to the
-# last digit: sys time 19.3 s -> 8.8 s, tokens/s per rank 235-246 -> 413-491.
-CPU_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
-
-
 def rank_env(
     env: Mapping[str, str],
     *,
@@ -184,7 +185,6 @@ def rank_env(
     if device_type == "cpu":
         threads = max(1, (os.cpu_count() or 1) // ranks_per_node)
         merged.setdefault("OMP_NUM_THREADS", str(threads))
-        merged.setdefault(CPU_HUGE_PAGES, "1")
     # A rank's stdout is torchrun's pipe: whether to colour is the launching process's call.
     merged.setdefault(env_defaults.COLOUR, "1" if env_defaults.colour() else "0")
     return merged
