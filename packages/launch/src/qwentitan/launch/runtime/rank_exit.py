@@ -3,8 +3,8 @@
 Rarely, a rank that had trained, saved its checkpoint, closed the trainer and destroyed its
 process group then died of SIGABRT while the interpreter tore down: "terminate called without an
 active exception", no Python frame (a C++ thread object destroyed while still joinable; seen once
-in 857 rank exits of this project's CI, on torch 2.11's gloo, rank 1 of 2 while rank 0 was in
-torchtitan's 2 s end-of-training sleep). torchrun then reports the rank as failed and the run as
+in the 857 rank logs torchrun left on the development machine, torch 2.14.1 over gloo, rank 1
+of 2 while rank 0 was in torchtitan's 2 s end-of-training sleep). torchrun then reports the rank as failed and the run as
 failed, after everything was written. So a rank whose training ended well runs Python's exit
 handlers (logging's flush, torch's compile-worker shutdown, ...) and then leaves with exit code
 0 without the native teardown. Where training or the teardown in torchtitan's `main` raised,
