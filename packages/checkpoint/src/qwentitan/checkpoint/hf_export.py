@@ -43,13 +43,14 @@ class Exporter:
     ) -> None:
         """Every piece of `tensors` into `writer`; the first failure stops the rest."""
         self.writer, self.advance = writer, advance
+        pieces = [(t, rows) for t in tensors for rows in self.ckpt.rows(t.name)]
+        # Each shard takes its writes in turn (`ShardedWriter`), so the pieces go out in the
+        # order of their place in their shard: the shards fill side by side and end together,
+        # where in the tensors' own order the first shard would take nearly all of them first.
+        pieces.sort(key=lambda piece: self._place(writer, *piece))
         pool = ThreadPoolExecutor(threads)
         try:
-            futures = [
-                pool.submit(self.export, t, rows)
-                for t in tensors
-                for rows in self.ckpt.rows(t.name)
-            ]
+            futures = [pool.submit(self.export, t, rows) for t, rows in pieces]
             wait(futures, return_when=FIRST_EXCEPTION)
             for f in futures:
                 if f.done() and not f.cancelled():
@@ -58,6 +59,13 @@ class Exporter:
             # On a failure or a signal, what has not started is dropped, not run to the end.
             pool.shutdown(wait=True, cancel_futures=True)
             writer.close(sync=False)  # staged_folder syncs the folder before the rename
+
+    @staticmethod
+    def _place(writer: ShardedWriter, t: TitanTensor, rows: dcp_read.Rows) -> float:
+        """Where a piece lands in its shard, as a fraction of it (0 for what is not written)."""
+        if not t.hf_names:
+            return 0.0
+        return writer.place(t.hf_names[rows.start if t.stacked else 0])
 
     def export(self, t: TitanTensor, rows: dcp_read.Rows) -> None:
         """One piece: a row chunk of the DCP (a training job's dim-0 shard, or what to_dcp

@@ -327,6 +327,7 @@ class ShardedWriter:
         groups = shard_groups(tensors, max_shard_bytes, files)
         self.where: dict[str, tuple[int, int, int]] = {}  # name -> (fd, offset, nbytes)
         self._fds: list[int] = []
+        self._sizes: dict[int, int] = {}  # fd -> the shard's size in bytes
         self._locks: dict[int, threading.Lock | contextlib.nullcontext] = {}
         self._serial = serial
         weight_map: dict[str, str] = {}
@@ -359,6 +360,7 @@ class ShardedWriter:
         self._locks[fd] = threading.Lock() if self._serial else contextlib.nullcontext()
         os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
         os.ftruncate(fd, 8 + len(raw) + offset)
+        self._sizes[fd] = 8 + len(raw) + offset
         for tname, dtype, shape in group:
             start = header[tname]["data_offsets"][0]
             self.where[tname] = (fd, 8 + len(raw) + start, nbytes_of(shape, dtype))
@@ -377,6 +379,11 @@ class ShardedWriter:
             while done < len(view):
                 done += os.pwrite(fd, view[done:], start + offset + done)
             start_writeback(fd, start + offset, done)
+
+    def place(self, name: str) -> float:
+        """Where `name`'s bytes start in its shard, as a fraction of the shard (0 to 1)."""
+        fd, start, _ = self.where[name]
+        return start / self._sizes[fd]
 
     def follows(self, name: str, previous: str) -> bool:
         """Whether `name`'s bytes start where `previous`'s end, in the same shard."""
