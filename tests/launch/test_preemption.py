@@ -318,3 +318,22 @@ def test_a_rank_that_ended_well_leaves_before_the_native_teardown(register, end,
     assert done.returncode == returncode, done.stderr
     assert "an earlier exit handler ran" in done.stdout
     assert ("the save failed" in done.stderr) == bool(end)
+
+
+def test_torchtitans_closing_sleep_is_skipped_while_train_runs(monkeypatch):
+    import inspect
+
+    from torchtitan import trainer
+
+    from qwentitan.launch.runtime.rank_exit import without_the_closing_sleep
+
+    # the one sleep of torchtitan's trainer module: rank 0's, at the end of train()
+    assert inspect.getsource(trainer).count("time.sleep(") == 1
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    with without_the_closing_sleep():
+        trainer.time.sleep(2)
+        assert trainer.time.perf_counter is time.perf_counter
+    assert slept == [] and trainer.time is time
+    trainer.time.sleep(2)
+    assert slept == [2]

@@ -1,4 +1,11 @@
-"""A rank that trained to its end leaves before the native teardown, which can abort it.
+"""How a rank ends: without torchtitan's closing sleep, and before the native teardown, which
+can abort it.
+
+torchtitan 0.3.0's `Trainer.train()` ends with `time.sleep(2)` on rank 0 "for other ranks to
+complete". Under torchrun nothing waits on it: every collective of the run, the last checkpoint
+included, has completed on every rank when `train()` returns; torchrun's agent, not rank 0, holds
+the store and waits for all its ranks; the agents of several nodes meet at their exit barrier. So
+`Trainer.train` runs torchtitan's loop with `without_the_closing_sleep()`: 2 s off every run's end.
 
 Rarely, a rank that had trained, saved its checkpoint, closed the trainer and destroyed its
 process group then died of SIGABRT while the interpreter tore down: "terminate called without an
@@ -17,6 +24,8 @@ import atexit
 import contextlib
 import os
 import sys
+import time
+from collections.abc import Iterator
 
 # torchtitan's own entry point on every rank (`python -m torchtitan.train`); the recipe's
 # Trainer.Config builds our Trainer there.
@@ -46,3 +55,28 @@ def _leave() -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
+
+
+class _TimeWithoutSleep:
+    """The time module, but `sleep` returns at once."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        del seconds
+
+
+@contextlib.contextmanager
+def without_the_closing_sleep() -> Iterator[None]:
+    """While torchtitan's `Trainer.train()` runs, its module's `time` sleeps no more (see the
+    module doc); `train()` has no other sleep and its timers are the time module's. The one
+    place besides `trainer.use_platform` where qwentitan rebinds a torchtitan global."""
+    from torchtitan import trainer
+
+    trainer.time = _TimeWithoutSleep()
+    try:
+        yield
+    finally:
+        trainer.time = time

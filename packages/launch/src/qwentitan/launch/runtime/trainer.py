@@ -8,9 +8,10 @@ step boundary where a run stops early with a checkpoint (`Trainer.at_step_bounda
 a signal, the `--stop-by` budget, a spot notice, each said in RUN_DIR/reports/stop.json), loads
 only of a checked `.metadata` (`checked_loads`), saves that fail in one sentence and leave no
 partial step (`guard_saves`), and the first step timed apart with, on Neuron, the ops
-TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json), and a rank
-that ended well leaving before the native teardown that can abort it (`rank_exit`). Importing
-it quiets the console lines a user cannot act on (`console.quiet_console`).
+TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json), and a rank's
+end without torchtitan's 2 s closing sleep and before the native teardown that can abort it
+(`rank_exit`). Importing it quiets the console lines a user cannot act on
+(`console.quiet_console`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ from qwentitan.launch.runtime.preemption import (
     PreemptionWatch,
     cause_kind,
 )
-from qwentitan.launch.runtime.rank_exit import leave_cleanly_after_training
+from qwentitan.launch.runtime.rank_exit import (
+    leave_cleanly_after_training,
+    without_the_closing_sleep,
+)
 from qwentitan.launch.runtime.spot import SpotWatcher, describe_notice, start_watching
 from qwentitan.launch.runtime.stop_clock import StopClock, state_bytes
 from qwentitan.launch.runtime.whole_init import whole_init
@@ -82,7 +86,8 @@ def use_platform(platform: Platform) -> None:
     `torchtitan.tools.utils`, and modules such as `components.metrics`, `distributed.utils` and
     `distributed.parallel_dims` import those two names by value. On a host without an
     accelerator that value is ("cuda", torch.cuda), so each loaded module holding the stale
-    pair is rebound here. This is the only place qwentitan touches torchtitan's globals.
+    pair is rebound here. Besides `rank_exit.without_the_closing_sleep`, the only place
+    qwentitan touches torchtitan's globals.
     """
     from torchtitan.tools import utils
 
@@ -358,7 +363,8 @@ class Trainer(torchtitan_trainer.Trainer):
             attach_report(self.config.dump_folder, FIRST_STEP, report)
 
     def train(self) -> None:
-        super().train()
+        with without_the_closing_sleep():
+            super().train()
         leave_cleanly_after_training()
 
     def stop_reason(self) -> str | None:
