@@ -244,42 +244,39 @@ def test_torchtitans_pipeline_hint_is_dropped_since_the_console_shows_the_last_s
 
 
 # The mesh pilot's short version (CI): 3 steps of 8 windows of 64 tokens. Its pairs cover FSDP x
-# TP (4 ranks) against 1 rank, and EP on the kernel experts against tiny_moe's FSDP 2; TP 2
-# starts from the next seed, a real difference, which must fail it while the others pass.
-CI_PAIRS = ("tiny_dense.fsdp2-tp2", "tiny_moe_kernels.ep2", "tiny_dense.tp2")
+# TP (4 ranks) against 1 rank, and EP on the kernel experts against tiny_moe's FSDP 2. That a
+# perturbed child fails its pair is shown on real runs by the paths pilot
+# (tests/integration/test_mlflow_ui.py), the mesh pilot's own failure sentence and its perturbed
+# child's seed by tests/launch/test_pilot.py.
+CI_PAIRS = ("tiny_dense.fsdp2-tp2", "tiny_moe_kernels.ep2")
 CI_STEPS = 3
 
 
 @pytest.mark.slow
-def test_every_layout_trains_one_curve_and_a_perturbed_one_fails_the_mesh_pilot(tmp_path, capsys):
+def test_every_layout_trains_one_curve_in_the_mesh_pilot(tmp_path, capsys):
     from mlflow import MlflowClient
 
     from qwentitan.launch.launcher.pilot.__main__ import main as pilot_main
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     pairs = [word for name in CI_PAIRS for word in ("--pair", name)]
-    argv = [*pairs, "--perturb", "tiny_dense.tp2", "--steps", str(CI_STEPS), "--seq-len", "64",
+    argv = [*pairs, "--steps", str(CI_STEPS), "--seq-len", "64",
             "--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri]  # fmt: skip
-    assert pilot_main(argv) == 1
+    assert pilot_main(argv) == 0
     verdicts = {
         line.split()[1]: line
         for line in capsys.readouterr().out.splitlines()
         if line.startswith("pilot: tiny_") and " layout (" in line
     }
     assert set(verdicts) == set(CI_PAIRS)
-    assert (
-        "tiny_dense.tp2 layout (tiny_dense.1-rank vs tiny_dense.tp2): FAILED, |loss "
-        in (verdicts["tiny_dense.tp2"])
-    )
-    assert " at step 1 exceeds the limit 1e-04 " in verdicts["tiny_dense.tp2"]
-    for name in CI_PAIRS[:2]:
+    for name in CI_PAIRS:
         assert ": passed, max |loss difference|" in verdicts[name], verdicts[name]
     client = MlflowClient(uri)
     (parent,) = client.search_runs(
         [client.get_experiment_by_name("qwentitan-pilot").experiment_id],
         filter_string="attributes.run_name LIKE 'mesh-pilot-%'",
     )
-    assert parent.info.status == "FAILED" and parent.data.tags["pilot.result"] == "failed"
+    assert parent.info.status == "FINISHED" and parent.data.tags["pilot.result"] == "passed"
     for name in CI_PAIRS:
         history = client.get_metric_history(parent.info.run_id, f"layout/{name}/abs_loss_diff")
         assert sorted(m.step for m in history) == list(range(1, CI_STEPS + 1)), name
