@@ -1,5 +1,6 @@
 """A rehearsal of the trn2 install: `nox -s train_trn2 -- --neuron-venv V --env E` beside a
-stand-in Neuron venv V, which must come out byte for byte as it went in.
+stand-in Neuron venv V, which must come out as it went in (`tree_digest`: every file, its bytes or,
+for the large ones, its size, time and inode).
 
 V (one per test session, `neuron_venv`): Python 3.12 with PyPI's torch 2.14.0 (the Neuron SDK's
 release; its CUDA libraries come along, where the DLAMI's CPU build has none), numpy 1.26.4, small
@@ -90,14 +91,25 @@ def make_venv(where: Path, python: Path, *requirements: str, stand_ins: dict = S
     return venv
 
 
+# Files above this size (torch's and the CUDA libraries' shared objects: ~5 GB of V's 5.3 GB) are
+# compared by size, modification time and inode instead of their sha256, which took 10 s per
+# digest of V: a write changes the time, a replacement or a new link the inode.
+HASHED_UP_TO = 2**20
+
+
 def tree_digest(folder: Path) -> dict[str, str]:
-    """sha256 of every file under `folder` (bytecode included), by relative path; links by target."""
+    """Every file under `folder` (bytecode included) by relative path: its sha256 up to
+    HASHED_UP_TO bytes, else its size, modification time and inode; links by target."""
     out = {}
     for path in sorted(folder.rglob("*")):
         key = path.relative_to(folder).as_posix()
         if path.is_symlink():
             out[key] = "-> " + os.readlink(path)
         elif path.is_file():
+            stat = path.stat()
+            if stat.st_size > HASHED_UP_TO:
+                out[key] = f"{stat.st_size} bytes, mtime {stat.st_mtime_ns}, inode {stat.st_ino}"
+                continue
             with path.open("rb") as handle:
                 out[key] = hashlib.file_digest(handle, "sha256").hexdigest()
     return out
