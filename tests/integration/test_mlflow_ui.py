@@ -9,6 +9,7 @@ skipped, after every training and tracking assertion has run.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -124,7 +125,8 @@ def test_the_dense_paths_agree_a_perturbed_one_fails_and_the_ui_opens_on_them(tm
     """One pilot, both outcomes: hf and native train one curve, and moe-kernels, started from
     its pair's checkpoint with one weight scaled, fails its pair at the first step. (That the
     kernel MoE path agrees with the native one is the mesh pilot's tiny_moe_kernels.ep2 pair in
-    tests/launch/test_every_mesh.py.)"""
+    tests/launch/test_every_mesh.py.) The hf child is also the test of the hf path (the
+    Transformers v5 model) in torchtitan's Trainer on two FSDP ranks, through `train`."""
     request = pilot_request(**PILOT, run_dir=str(tmp_path / "pilot"))
     pilot = run_pilot(request, tracking_uri=mlflow_ui, perturb="moe-kernels")
     # Every path trains and logs, before anything here may skip for want of a browser.
@@ -138,6 +140,13 @@ def test_the_dense_paths_agree_a_perturbed_one_fails_and_the_ui_opens_on_them(tm
     assert moe.first_over == 1 and "FAILED, |loss difference|" in moe.verdict()
     assert not pilot.passed
     client = MlflowClient(mlflow_ui)
+    hf = client.get_run(pilot.children["hf"])
+    assert hf.data.tags["parallel.dp_shard"] == "2"
+    losses = {m.step: m.value for m in client.get_metric_history(hf.info.run_id, "loss")}
+    # its start is a fresh initialisation (the seeded checkpoint): near ln(vocabulary), then down
+    assert losses[1] == pytest.approx(math.log(151936), abs=0.1)
+    assert losses[PILOT["steps"]] < losses[PILOT["steps"] // 2] < losses[1]
+    assert (Path(request.run_dir) / "hf" / "checkpoint" / f"step-{PILOT['steps']}").is_dir()
     names = [set(client.get_run(run_id).data.metrics) for run_id in pilot.children.values()]
     assert all(n == names[0] for n in names), "the paths must log identical metric names"
     parent = client.get_run(pilot.parent_run_id)
