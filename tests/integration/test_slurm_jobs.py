@@ -3,13 +3,14 @@ cluster of scripts/slurm_cluster.sh (Debian's slurm-wlm on this machine; nodes n
 CPU each, partition `debug`). Without a cluster that answers `sinfo`, every test here skips.
 
 Two shared jobs, since each run costs a start of torch on every node:
-- `two_node_job`: tiny_dense on 2 nodes x 1 rank, 5 steps, written in one folder and submitted
+- `two_node_job`: tiny_moe on 2 nodes x 1 rank (two torchrun agents joining one c10d rendezvous,
+  FSDP and the MoE across them), 5 steps, written in one folder and submitted
   from another with `sbatch --export=NONE`, with its time limit within the grace from the start
   (`--time 4 --grace-seconds 240`: SLURM signals it in its first 30 s, or before the script runs,
   which the script makes up for), so its script requeues it after step 1 whatever the machine's
   speed; the test then gives the requeued run a longer limit, as a user would, and it resumes to
   the end. A stop on two nodes is what srun's --kill-on-bad-exit once turned into 143:0.
-- `usr1_chain`: on one node, an 8-step job stopped by `scancel --signal=USR1` after step 3, then
+- `usr1_chain`: tiny_dense on one node, an 8-step job stopped by `scancel --signal=USR1` after step 3, then
   the same script submitted again.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from qwentitan.launch.launcher.cli import main as launch_main
 from qwentitan.launch.launcher.resume import saved_steps
@@ -55,12 +57,13 @@ def cluster() -> None:
         )
 
 
-def write_script(workdir: Path, *args: str) -> Path:
-    """`qwentitan-launch slurm ... -o job.sbatch`, run in `workdir` (in this process)."""
+def write_script(workdir: Path, recipe: str, *args: str) -> Path:
+    """`qwentitan-launch slurm --recipe RECIPE ... -o job.sbatch`, run in `workdir` (in this
+    process)."""
     workdir.mkdir(parents=True, exist_ok=True)
     with contextlib.chdir(workdir):
         code = launch_main(
-            ["slurm", "--recipe", "tiny_dense", "--ranks-per-node", "1", "--partition", PARTITION,
+            ["slurm", "--recipe", recipe, "--ranks-per-node", "1", "--partition", PARTITION,
              "--dump-folder", "D", "-o", "job.sbatch", *args, "--", "--validator.no-enable"]
         )  # fmt: skip
     assert code == 0
@@ -111,13 +114,14 @@ def wait_ended(job_id: int) -> dict[str, str]:
 @dataclass(frozen=True)
 class Job:
     id: int
+    recipe: str
     state: dict[str, str]
     workdir: Path
     submitted_from: Path | None = None
 
     @property
     def log(self) -> Path:
-        return self.workdir / "slurm-logs" / f"qwentitan-tiny_dense-{self.id}.out"
+        return self.workdir / "slurm-logs" / f"qwentitan-{self.recipe}-{self.id}.out"
 
     def text(self, node: int = 0) -> str:
         """The job's log (node 0's output), or node `node`'s beside it."""
@@ -136,7 +140,7 @@ class Job:
 def two_node_job(cluster, tmp_path_factory, training_slot) -> Job:
     workdir = tmp_path_factory.mktemp("two-nodes")
     script = write_script(
-        workdir, "--nodes", "2", "--steps", "5", "--time", "4", "--grace-seconds", "240"
+        workdir, "tiny_moe", "--nodes", "2", "--steps", "5", "--time", "4", "--grace-seconds", "240"
     )
     elsewhere = tmp_path_factory.mktemp("submitted-from")
     with training_slot():  # its ranks train on both cores: no other training beside them
@@ -144,7 +148,7 @@ def two_node_job(cluster, tmp_path_factory, training_slot) -> Job:
         wait_for("the requeue", lambda: int(job(job_id).get("Restarts", 0)) >= 1, job_id)
         # The requeued run would be signalled at once too, and stop where it resumed: not requeued.
         scontrol("update", f"JobId={job_id}", "TimeLimit=30")
-        return Job(job_id, wait_ended(job_id), workdir, elsewhere)
+        return Job(job_id, "tiny_moe", wait_ended(job_id), workdir, elsewhere)
 
 
 def runs(log: str) -> list[str]:
@@ -164,6 +168,18 @@ def test_a_two_node_job_completes_at_the_first_sbatch_from_another_folder(two_no
     # it, and rank 0 (on either node) logged to MLflow
     both = two_node_job.text() + two_node_job.text(node=1)
     assert f"logged to sqlite:///{two_node_job.workdir}/mlflow.db" in both
+
+
+def test_the_two_nodes_train_one_moe_model_each_saving_its_shard(two_node_job):
+    assert "ranks         2 = 2 x 1 per node" in two_node_job.text()
+    assert "ranks         2 = 2 x 1 per node" in two_node_job.text(node=1)
+    step = two_node_job.workdir / "D" / "checkpoint" / "step-5"
+    # DCP writes one shard file per rank: both nodes' ranks took part
+    assert len(list(step.glob("*.distcp"))) == 2
+    # the MoE trained end to end: its routed experts and router are in the checkpoint
+    saved = FileSystemReader(step).read_metadata().state_dict_metadata
+    assert any(".moe.routed_experts." in key for key in saved), sorted(saved)[:20]
+    assert any(".moe.router.gate." in key for key in saved), sorted(saved)[:20]
 
 
 def test_a_time_limit_stop_is_requeued_and_resumed_to_completion(two_node_job):
@@ -201,16 +217,16 @@ class Usr1Chain:
 def usr1_chain(cluster, tmp_path_factory, training_slot) -> Usr1Chain:
     root = tmp_path_factory.mktemp("usr1")
     workdir = root / "work"
-    script = write_script(workdir, "--nodes", "1", "--steps", "8")
+    script = write_script(workdir, "tiny_dense", "--nodes", "1", "--steps", "8")
     with training_slot():
         first = sbatch(script, root)
-        probe = Job(first, {}, workdir)
+        probe = Job(first, "tiny_dense", {}, workdir)
         wait_for("step 3", lambda: 3 in probe.steps(), first)
         subprocess.run(["scancel", "--signal=USR1", str(first)], check=True, timeout=60)
-        stopped = Job(first, wait_ended(first), workdir)
+        stopped = Job(first, "tiny_dense", wait_ended(first), workdir)
         first_log = stopped.text()
         second = sbatch(script, root)
-        return Usr1Chain(stopped, first_log, Job(second, wait_ended(second), workdir))
+        return Usr1Chain(stopped, first_log, Job(second, "tiny_dense", wait_ended(second), workdir))
 
 
 def test_usr1_stops_with_a_checkpoint_and_no_requeue(usr1_chain):
