@@ -105,8 +105,8 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 
 # Two pytest-xdist workers: while one test waits (a process starting, a SLURM job, an install)
-# the other uses the core. A file stays on one worker (tests/conftest.py's scheduler) and one
-# training runs at a time across them (the `training_slot` fixture).
+# the other uses the core. A file stays on one worker (tests/conftest.py's scheduler), and a
+# training takes a core per rank across them (the `training_slot` fixture).
 PARALLEL = ("-n", "2", "--dist", "loadfile")
 
 

@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -43,20 +44,44 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 @pytest.fixture(scope="session")
 def training_slot(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[[], contextlib.AbstractContextManager]:
-    """One training at a time across pytest-xdist's workers: each trains on both cores, so two at
-    once would only slow each other (and stretch the signal tests' waits). A lock file in the
-    folder all workers share; without xdist, a lock nobody else takes."""
+) -> Callable[..., contextlib.AbstractContextManager]:
+    """`with training_slot(ranks):` a core of this machine per rank, shared by pytest-xdist's
+    workers: a training on all the cores runs alone (two at once would only slow each other, and
+    stretch the signal tests' waits), while two one-rank trainings on a 2-core machine run side by
+    side instead of one leaving a core idle. A lock file per core in the folder all workers share;
+    a training takes its cores all at once or waits, holding none. Without xdist, locks nobody
+    else takes."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent
-    lock = shared / "one-training.lock"
+    cores = [shared / f"core-{n}.lock" for n in range(os.cpu_count() or 1)]
 
     @contextlib.contextmanager
-    def slot() -> Iterator[None]:
-        with lock.open("w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+    def slot(ranks: int | None = None) -> Iterator[None]:
+        wanted = len(cores) if ranks is None else max(1, min(ranks, len(cores)))
+        held: list = []
+        try:
+            while True:
+                for core in cores:
+                    handle = core.open("w")
+                    try:
+                        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        handle.close()
+                        continue
+                    held.append(handle)
+                    if len(held) == wanted:
+                        break
+                if len(held) == wanted:
+                    break
+                for handle in held:  # not enough free: hold none while waiting
+                    handle.close()
+                held = []
+                time.sleep(0.2)
             yield
+        finally:
+            for handle in held:
+                handle.close()
 
     return slot
 
@@ -100,6 +125,17 @@ def _output_to(path: Path) -> Iterator[None]:
                 os.close(copy)
 
 
+def _ranks(argv: Sequence[str]) -> int | None:
+    """The ranks `train ARGV` starts on this host (its last --ranks), or None (its default)."""
+    ranks = None
+    for i, arg in enumerate(argv):
+        if arg == "--ranks" and i + 1 < len(argv):
+            ranks = int(argv[i + 1])
+        elif arg.startswith("--ranks="):
+            ranks = int(arg.split("=", 1)[1])
+    return ranks
+
+
 def _train(argv: Sequence[str], log: Path) -> tuple[int, str]:
     from qwentitan.launch.launcher import cli
 
@@ -115,7 +151,7 @@ def train_in_process(training_slot) -> Callable[[Sequence[str], Path], tuple[int
     is also left in the file `log`. For tests whose subject is not the launcher's process tree."""
 
     def train(argv: Sequence[str], log: Path) -> tuple[int, str]:
-        with training_slot():
+        with training_slot(_ranks(argv)):
             return _train(argv, log)
 
     return train

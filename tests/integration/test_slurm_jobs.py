@@ -143,7 +143,7 @@ def two_node_job(cluster, tmp_path_factory, training_slot) -> Job:
         workdir, "tiny_moe", "--nodes", "2", "--steps", "5", "--time", "4", "--grace-seconds", "240"
     )
     elsewhere = tmp_path_factory.mktemp("submitted-from")
-    with training_slot():  # its ranks train on both cores: no other training beside them
+    with training_slot(2):  # its two nodes' ranks
         job_id = sbatch(script, elsewhere, "--export=NONE")
         wait_for("the requeue", lambda: int(job(job_id).get("Restarts", 0)) >= 1, job_id)
         # The requeued run would be signalled at once too, and stop where it resumed: not requeued.
@@ -218,7 +218,7 @@ def usr1_chain(cluster, tmp_path_factory, training_slot) -> Usr1Chain:
     root = tmp_path_factory.mktemp("usr1")
     workdir = root / "work"
     script = write_script(workdir, "tiny_dense", "--nodes", "1", "--steps", "8")
-    with training_slot():
+    with training_slot(1):  # one node, one rank
         first = sbatch(script, root)
         probe = Job(first, "tiny_dense", {}, workdir)
         wait_for("step 3", lambda: 3 in probe.steps(), first)
