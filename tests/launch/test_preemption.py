@@ -320,7 +320,7 @@ def test_a_rank_that_ended_well_leaves_before_the_native_teardown(register, end,
     assert ("the save failed" in done.stderr) == bool(end)
 
 
-def test_torchtitans_closing_sleep_is_skipped_while_train_runs(monkeypatch):
+def test_torchtitans_closing_sleep_is_skipped_on_one_node(monkeypatch):
     import inspect
 
     from torchtitan import trainer
@@ -331,9 +331,15 @@ def test_torchtitans_closing_sleep_is_skipped_while_train_runs(monkeypatch):
     assert inspect.getsource(trainer).count("time.sleep(") == 1
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one node
     with without_the_closing_sleep():
         trainer.time.sleep(2)
         assert trainer.time.perf_counter is time.perf_counter
     assert slept == [] and trainer.time is time
     trainer.time.sleep(2)
     assert slept == [2]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes: torchtitan's pause stays
+    with without_the_closing_sleep():
+        trainer.time.sleep(2)
+    assert slept == [2, 2]

@@ -2,10 +2,13 @@
 can abort it.
 
 torchtitan 0.3.0's `Trainer.train()` ends with `time.sleep(2)` on rank 0 "for other ranks to
-complete". Under torchrun nothing waits on it: every collective of the run, the last checkpoint
-included, has completed on every rank when `train()` returns; torchrun's agent, not rank 0, holds
-the store and waits for all its ranks; the agents of several nodes meet at their exit barrier. So
-`Trainer.train` runs torchtitan's loop with `without_the_closing_sleep()`: 2 s off every run's end.
+complete". On one node nothing waits on it: every collective of the run, the last checkpoint
+included, has completed on every rank when `train()` returns, and torchrun's agent waits for all
+its ranks. So `Trainer.train` runs torchtitan's loop with `without_the_closing_sleep()`: 2 s off
+the end of every one-node run. Across nodes the pause stays: there one node's agent holds the
+rendezvous store the other agents still use to leave it, and a two-node SLURM run on the
+development machine without the pause logged that the other agent could not reach it to shut
+the rendezvous down (a warning; the job completed).
 
 Rarely, a rank that had trained, saved its checkpoint, closed the trainer and destroyed its
 process group then died of SIGABRT while the interpreter tore down: "terminate called without an
@@ -70,11 +73,15 @@ class _TimeWithoutSleep:
 
 @contextlib.contextmanager
 def without_the_closing_sleep() -> Iterator[None]:
-    """While torchtitan's `Trainer.train()` runs, its module's `time` sleeps no more (see the
+    """While torchtitan's `Trainer.train()` runs on ranks that are all on one node (torchrun's
+    WORLD_SIZE equal to its LOCAL_WORLD_SIZE), its module's `time` sleeps no more (see the
     module doc); `train()` has no other sleep and its timers are the time module's. The one
     place besides `trainer.use_platform` where qwentitan rebinds a torchtitan global."""
     from torchtitan import trainer
 
+    if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+        yield
+        return
     trainer.time = _TimeWithoutSleep()
     try:
         yield

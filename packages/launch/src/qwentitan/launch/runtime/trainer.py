@@ -9,8 +9,8 @@ a signal, the `--stop-by` budget, a spot notice, each said in RUN_DIR/reports/st
 only of a checked `.metadata` (`checked_loads`), saves that fail in one sentence and leave no
 partial step (`guard_saves`), and the first step timed apart with, on Neuron, the ops
 TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json), and a rank's
-end without torchtitan's 2 s closing sleep and before the native teardown that can abort it
-(`rank_exit`). Importing it quiets the console lines a user cannot act on
+end without torchtitan's 2 s closing sleep (on one node) and before the native teardown that can
+abort it (`rank_exit`). Importing it quiets the console lines a user cannot act on
 (`console.quiet_console`).
 """
 
