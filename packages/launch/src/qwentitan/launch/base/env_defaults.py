@@ -171,6 +171,12 @@ def local_world_size() -> int | None:
     return int(found) if found and found.isdigit() else None
 
 
+def world_size() -> int | None:
+    """torchrun's `$WORLD_SIZE` (ranks on every node), or None outside torchrun."""
+    found = _value("WORLD_SIZE")
+    return int(found) if found and found.isdigit() else None
+
+
 def local_rank() -> int:
     """torchrun's `$LOCAL_RANK` (this rank's place on its node), 0 outside torchrun."""
     found = _value("LOCAL_RANK")

@@ -30,6 +30,8 @@ import sys
 import time
 from collections.abc import Iterator
 
+from qwentitan.launch.base import env_defaults
+
 # torchtitan's own entry point on every rank (`python -m torchtitan.train`); the recipe's
 # Trainer.Config builds our Trainer there.
 TRAIN_ENTRY = "torchtitan.train"
@@ -79,7 +81,7 @@ def without_the_closing_sleep() -> Iterator[None]:
     place besides `trainer.use_platform` where qwentitan rebinds a torchtitan global."""
     from torchtitan import trainer
 
-    if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+    if env_defaults.world_size() != env_defaults.local_world_size():
         yield
         return
     trainer.time = _TimeWithoutSleep()
