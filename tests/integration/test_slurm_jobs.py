@@ -4,14 +4,14 @@ CPU each, partition `debug`). Without a cluster that answers `sinfo`, every test
 
 Two shared jobs, since each run costs a start of torch on every node:
 - `two_node_job`: tiny_moe on 2 nodes x 1 rank (two torchrun agents joining one c10d rendezvous,
-  FSDP and the MoE across them), 5 steps, written in one folder and submitted
-  from another with `sbatch --export=NONE`, with its time limit within the grace from the start
+  FSDP and the MoE across them), 5 steps, written in one folder and submitted from another with
+  `sbatch --export=NONE`, with its time limit within the grace from the start
   (`--time 4 --grace-seconds 240`: SLURM signals it in its first 30 s, or before the script runs,
   which the script makes up for), so its script requeues it after step 1 whatever the machine's
   speed; the test then gives the requeued run a longer limit, as a user would, and it resumes to
   the end. A stop on two nodes is what srun's --kill-on-bad-exit once turned into 143:0.
-- `usr1_chain`: tiny_dense on one node, an 8-step job stopped by `scancel --signal=USR1` after step 3, then
-  the same script submitted again.
+- `usr1_chain`: tiny_dense on one node, an 8-step job stopped by `scancel --signal=USR1` after
+  step 3, then the same script submitted again.
 """
 
 from __future__ import annotations
