@@ -112,6 +112,18 @@ class TestStopClock:
         assert (clock.save_s, clock.save_measured, clock.step_s) == (5.0, True, 1.0)
         assert not clock.due(now=1040.0)
 
+    def test_the_report_keeps_the_figures_the_stop_was_decided_on(self):
+        clock = self.clock(left=100.0, save_s=3.0)
+        clock.boundary(now=1000.0)
+        clock.boundary(now=1001.0)
+        clock.boundary(now=1002.0)
+        assert not clock.due(now=1080.0) and clock.decision is None  # 1 + 3 + 10 < 20 left
+        assert clock.due(now=1087.0)  # 1 + 3 + 10 >= 13 left
+        clock.saved(0.5)  # the stop's own save, faster than the last one
+        assert clock.due(now=1096.0)  # asked again: the first answer's figures are kept
+        assert clock.decision == clock.figures(now=1087.0) | {"save_s": 3.0, "save_measured": False}
+        assert clock.decision["seconds_left"] == 13.0
+
     def test_the_slowest_recent_step_counts(self):
         clock = self.clock(left=100.0)
         for now in (1000.0, 1001.0, 1002.0, 1009.0, 1010.0):  # a validation step of 7 s

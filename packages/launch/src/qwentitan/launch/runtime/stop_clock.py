@@ -44,6 +44,9 @@ class StopClock:
     margin_s: float = MARGIN_S
     save_measured: bool = False
     step_s: float | None = None
+    decision: dict[str, float | bool | str] | None = None
+    """The figures when `due()` first said stop: the report's, since the stop's own save then
+    replaces `save_s` with its time."""
     _recent: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
     _first: float | None = None
     _last_boundary: float | None = None
@@ -78,14 +81,17 @@ class StopClock:
         step = self.step_s
         if step is None:  # before a step was measured: the one running since the last boundary
             step = now - self._last_boundary if self._last_boundary is not None else 0.0
-        return now + step + self.save_s + self.margin_s >= self.deadline
+        due = now + step + self.save_s + self.margin_s >= self.deadline
+        if due and self.decision is None:
+            self.decision = self.figures(now)
+        return due
 
     def figures(self, now: float | None = None) -> dict[str, float | bool | str]:
         """The budget as the stop report and the log say it."""
         now = time.time() if now is None else now
         return {
             "stop_by": format_utc(datetime.fromtimestamp(self.deadline, UTC)),
-            "seconds_left": round(self.deadline - now, 1),
+            "seconds_left": round(self.deadline - now, 2),
             "save_s": round(self.save_s, 2),
             "save_measured": self.save_measured,
             "step_s": round(self.step_s or 0.0, 2),

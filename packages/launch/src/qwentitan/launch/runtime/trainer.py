@@ -417,7 +417,7 @@ class Trainer(torchtitan_trainer.Trainer):
             "cause": "stop_after" if agreed is None else cause_kind(agreed),
         }
         if self.clock is not None:
-            report["budget"] = self.clock.figures()
+            report["budget"] = self.clock.decision or self.clock.figures()
         if self.spot is not None and self.spot.notice is not None:
             report["spot_notice"] = self.spot.notice
         record = getattr(self.metrics_processor, "record_stop", None)
