@@ -68,7 +68,8 @@ def test_stop_by_ends_the_run_in_time_with_a_checkpoint(deadline_run):
     report = _stop_report(run_dir)
     assert report["cause"] == "deadline" and report["step"] == saved[-1]
     budget = report["budget"]
-    assert budget["save_measured"] and budget["margin_s"] > 0 and budget["step_s"] > 0
+    # Decided on a timed save, or on the state-size estimate when no interval save came first.
+    assert budget["save_s"] > 0 and budget["margin_s"] > 0 and budget["step_s"] > 0
     # The rank stopped because one more step and its save would have crossed the margin (the
     # figures it decided on, each rounded to 0.01).
     needed = budget["step_s"] + budget["save_s"] + budget["margin_s"]
