@@ -169,32 +169,26 @@ def test_the_dense_paths_agree_a_perturbed_one_fails_and_the_ui_opens_on_them(tm
         pytest.skip("Debian's chromium is not installed (.ci/run installs it): UI not opened")
     flags = [chromium, *CHROMIUM_FLAGS]
 
-    def rendered_text(url: str, profile: str) -> set[str]:
+    def rendered_text(url: str, name: str) -> set[str]:
+        """The page's text once rendered, and its screenshot kept as ARTIFACTS/`name`, from one
+        Chromium run."""
+        file = ARTIFACTS / name
         dom = subprocess.run(
-            [*flags, f"--user-data-dir={tmp_path / profile}", "--dump-dom", url],
+            [*flags, f"--user-data-dir={tmp_path / name}", f"--screenshot={file}", "--dump-dom",
+             url],
             capture_output=True, text=True, timeout=180,
         )  # fmt: skip
+        assert dom.returncode == 0 and file.read_bytes()[:4] == b"\x89PNG", dom.stderr[-2000:]
         html = re.sub(r"<script.*?</script>|<style.*?</style>", "", dom.stdout, flags=re.S)
         return {cell.strip() for cell in re.findall(r">([^<>]+)<", html)}
 
-    def screenshot(url: str, name: str) -> None:
-        file = ARTIFACTS / name
-        shot = subprocess.run(
-            [*flags, f"--user-data-dir={tmp_path / name}", f"--screenshot={file}", url],
-            capture_output=True, timeout=180,
-        )  # fmt: skip
-        assert shot.returncode == 0 and file.read_bytes()[:4] == b"\x89PNG"
-
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     runs = runs_url(mlflow_ui, parent.info.experiment_id)
-    seen = rendered_text(runs, "runs")
+    seen = rendered_text(runs, "mlflow_ui_pilot_runs.png")
     # The runs table (its parent row, the pair charts' sections), not the traces overview.
     assert {parent.info.run_name, "pair/dense", "pair/moe"} <= seen, f"no runs view at {runs}"
     assert not {"Traces", "Latency"} <= seen
-    seen = rendered_text(pilot.compare_url, "compare")
+    seen = rendered_text(pilot.compare_url, "mlflow_ui_pilot_compare.png")
     assert seen >= CHILDREN, f"the children are not side by side at {pilot.compare_url}"
-    seen = rendered_text(pilot.loss_url, "loss")  # the curves' legend and table name them
+    seen = rendered_text(pilot.loss_url, "mlflow_ui_pilot_loss.png")  # legend and table name them
     assert seen >= {*CHILDREN, "loss"}, f"no loss curves at {pilot.loss_url}"
-    screenshot(runs, "mlflow_ui_pilot_runs.png")
-    screenshot(pilot.compare_url, "mlflow_ui_pilot_compare.png")
-    screenshot(pilot.loss_url, "mlflow_ui_pilot_loss.png")
