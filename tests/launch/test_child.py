@@ -49,6 +49,20 @@ def test_in_child_answers_from_another_process_and_raises_its_refusal_here():
     assert done.stdout.strip() == "tp pass --tp 2"
 
 
+def test_a_refusal_is_said_without_importing_torch():
+    """The one sentence comes before any of torch's start-up (the CLI once imported every
+    package's error class, and with qwentitan.modeling's torch and torchtitan, to catch them)."""
+    refusal = (
+        "import sys\n"
+        "from qwentitan.launch.launcher import cli\n"
+        "code = cli.main(['fetch', '--recipe', 'tiny_dense'])\n"
+        "print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", refusal], capture_output=True, text=True)
+    assert done.stdout.split() == ["2", "False"], done.stderr[-3000:]
+    assert done.stderr.startswith("qwentitan-launch fetch: Recipe tiny_dense needs no download")
+
+
 def test_train_supervises_its_ranks_without_torch_in_the_process(tmp_path):
     env = {**os.environ, "QWENTITAN_MLFLOW": "off"}
     done = subprocess.run(

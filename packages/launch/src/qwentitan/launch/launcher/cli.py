@@ -24,17 +24,25 @@ from qwentitan.launch.launcher.plan_cli import phrasing
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that carry a user-fixable message, from every installed qwentitan package."""
+    """Exception types that carry a user-fixable message, from every qwentitan package that has
+    been loaded: an error class whose module was never imported cannot have been raised, and
+    importing one to find out would import its package (`qwentitan.modeling`: torch and
+    torchtitan, seconds of start-up) before a one-line refusal."""
     found: list[type[BaseException]] = [LaunchError]
     for module, name in (
-        ("qwentitan.modeling", "ModelingError"),
-        ("qwentitan.checkpoint", "CheckpointError"),
-        ("qwentitan.kernels", "KernelError"),
+        ("qwentitan.modeling.errors", "ModelingError"),
+        ("qwentitan.checkpoint.errors", "CheckpointError"),
+        ("qwentitan.kernels.errors", "KernelError"),
     ):
-        error = getattr(importlib.import_module(module), name, None)
+        error = getattr(sys.modules.get(module), name, None)
         if isinstance(error, type):
             found.append(error)
     return tuple(found)
+
+
+def error_sentence(args: argparse.Namespace, error: BaseException) -> str:
+    """A user error as the command says it: a request field named by the flag the user typed."""
+    return str(error.phrased(phrasing(args)) if isinstance(error, LaunchError) else error)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,8 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except user_errors() as error:
-        said = error.phrased(phrasing(args)) if isinstance(error, LaunchError) else error
-        print(f"qwentitan-launch {args.command}: {said}", file=sys.stderr)
+        print(f"qwentitan-launch {args.command}: {error_sentence(args, error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         # Ctrl-C before any rank started (once they run, `train` / `run` forward it to them).
