@@ -307,6 +307,7 @@ def test_a_layout_over_its_limit_is_one_sentence_naming_layout_step_and_differen
 def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
     tmp_path, monkeypatch
 ):
+    from qwentitan.launch.launcher.commands.train import Prepared
     from qwentitan.launch.launcher.pilot import run as pilot_run
     from qwentitan.launch.launcher.plan_rules import ParallelDegrees
 
@@ -320,11 +321,17 @@ def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
     def fake_train(command, **kwargs):  # each child `train` refused at once: nothing trains
         if "qwentitan.launch.launcher.cli" not in command:
             return real_popen(command, **kwargs)
-        started.append(command)
+        # the run the pilot planned for this child and handed to it
+        handed = Path(command[command.index("--prepared") + 1])
+        assert "s3cr3t" not in handed.read_text()  # the shell's variables stay off the disk
+        prepared = Prepared.load(handed)
+        assert prepared.env["QWENTITAN_TEST_TOKEN"] == "s3cr3t"  # the child inherits them
+        started.append(prepared.argv)  # the torchrun line
         return real_popen([sys.executable, "-c", "raise SystemExit(1)"], **kwargs)
 
     monkeypatch.setattr(subprocess, "Popen", fake_train)
     monkeypatch.setattr(pilot_run, "resolve_plan", plan)
+    monkeypatch.setenv("QWENTITAN_TEST_TOKEN", "s3cr3t")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     request = pilot_request(steps=3, run_dir=str(tmp_path / "pilot"))
     pilot = run_pilot(request, uri, pairs=tuple(MESH), perturb="tiny_dense.tp2")
@@ -348,12 +355,15 @@ def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
         name: "1" if name == "tiny_dense.tp2" else "0" for name in argv
     }
     fsdp_tp = argv["tiny_dense.fsdp2-tp2"]
-    flags = fsdp_tp[fsdp_tp.index("train") + 1 : fsdp_tp.index("--")]
-    assert flags == [
-        "--recipe", "tiny_dense", "--ranks-per-node", "4", "--tp", "2", "--fsdp", "2",
-        "--global-batch-size", "8", "--local-batch-size", "2", "--steps", "3",
-        "--run-dir", str(tmp_path / "pilot" / "tiny_dense.fsdp2-tp2"),
+    assert "--nproc-per-node=4" in fsdp_tp
+    assert fsdp_tp[fsdp_tp.index("--config") : fsdp_tp.index("--debug.seed")] == [
+        "--config", "tiny_dense", "--target", "cpu", "--training.local-batch-size", "2",
+        "--training.steps", "3", "--parallelism.data-parallel-shard-degree", "2",
+        "--parallelism.tensor-parallel-degree", "2",
+        "--dump-folder", str(tmp_path / "pilot" / "tiny_dense.fsdp2-tp2"),
     ]  # fmt: skip
+    assert fsdp_tp[-2:] == ["--training.global-batch-size", "8"]
+    assert not list((tmp_path / "pilot").glob(".*.prepared.json"))  # removed after each child
     assert not any("--checkpoint.initial_load_path" in a for a in argv.values())
     assert sorted(pilot.failed) == sorted(argv) and not pilot.passed
     parent = MlflowClient(uri).get_run(pilot.parent_run_id)

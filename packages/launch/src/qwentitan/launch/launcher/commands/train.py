@@ -8,6 +8,10 @@ deleted). It runs the plan's torchrun line under the same checks and supervisor 
 (`launcher.start`), so `plan --json` shows exactly the line `train` runs. When the ranks end,
 it prints one summary block (`tracking.summary.format_summary`) from
 RUN_DIR/reports/summary.json, which the metrics rank wrote at close.
+
+The pilot plans and checks each child `train` in its own process, which has imported torchtitan
+already, and hands it over in a file (`--prepared FILE`, not shown in `--help`): the child then
+starts its ranks without importing torch and torchtitan again to plan (6-7 CPU-seconds each).
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags
 from qwentitan.launch.launcher.request import RunRequest
@@ -40,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "nodes": "1: train runs on this machine (`run` starts each node of several)",
         },
     )
+    # The pilot's hand-over (see the module): a run it resolved and checked for this process.
+    parser.add_argument("--prepared", help=argparse.SUPPRESS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +60,30 @@ class Prepared:
     checkpoints: str | None
     summary: str  # RUN_DIR/reports/summary.json, which the metrics rank writes at close
 
+    def save(self, path: Path) -> None:
+        """For a `train --prepared PATH` this process starts, which inherits its environment:
+        the ranks' environment is written as what it adds to this process's, so no variable of
+        the shell (a token, a key) lands on disk."""
+        shell = env_defaults.shell()
+        record = {field.name: getattr(self, field.name) for field in fields(self)}
+        record["env"] = {key: value for key, value in self.env.items() if shell.get(key) != value}
+        path.write_text(json.dumps(record), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Prepared:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls(**{**record, "env": {**env_defaults.shell(), **record["env"]}})
+
 
 def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.launcher.child import in_child
     from qwentitan.launch.launcher.run_folder import hold_run_folder
     from qwentitan.launch.runtime import preemption
 
-    # Resolved and checked in a child process: this one supervises the ranks for the whole run
-    # and keeps none of torch, torchtitan or the model stack that building the config imports.
-    prepared = in_child(_prepare, args)
+    # Resolved and checked in a child process (or by the pilot that started this one): this one
+    # supervises the ranks for the whole run and keeps none of torch, torchtitan or the model
+    # stack that building the config imports.
+    prepared = Prepared.load(args.prepared) if args.prepared else in_child(prepare, args)
     for line in prepared.said:
         print(line, flush=True)
     print(
@@ -78,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _prepare(args: argparse.Namespace) -> Prepared:
+def prepare(args: argparse.Namespace) -> Prepared:
     """The plan of this `train`, every check before a start passed, its run folder made."""
     from qwentitan.launch.launcher.plan import resolve_plan
     from qwentitan.launch.launcher.plan_cli import describe

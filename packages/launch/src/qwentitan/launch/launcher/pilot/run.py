@@ -220,12 +220,35 @@ def _train_children(
             start, said = _start(folder, flavors[child], seed, perturbed=child == perturb)
             overrides = [*start, _LR, f"{lr:g}", *child_overrides(uri, experiment, parent, child)]
             request = request.replace(overrides=(*overrides, *request.overrides))
-            command = [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train",
-                       *request_argv(request, CHILD_FIELDS)]  # fmt: skip
             print(f"pilot: {child} ({request.recipe}) from {said}", flush=True)
-            if forwarder.run(command) != 0:
+            handed = folder / f".{child}.prepared.json"
+            if not _prepare_child(request, handed):
                 failed.append(child)
+                continue
+            command = [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train",
+                       "--prepared", str(handed)]  # fmt: skip
+            try:
+                if forwarder.run(command) != 0:
+                    failed.append(child)
+            finally:
+                handed.unlink(missing_ok=True)
     return failed
+
+
+def _prepare_child(request: RunRequest, path: Path) -> bool:
+    """Plan and check the child `train` of `request` here, where torchtitan is imported already,
+    and hand it over in `path` (`train --prepared`); a refusal is printed as that `train` says
+    it, and is False."""
+    from qwentitan.launch.launcher.cli import build_parser, error_sentence, user_errors
+    from qwentitan.launch.launcher.commands.train import prepare
+
+    args = build_parser().parse_args(["train", *request_argv(request, CHILD_FIELDS)])
+    try:
+        prepare(args).save(path)
+    except user_errors() as error:
+        print(f"qwentitan-launch train: {error_sentence(args, error)}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _start(folder: Path, flavor: str | None, seed: int, *, perturbed: bool) -> tuple[list, str]:
