@@ -95,35 +95,35 @@ def test_resume_continues_exactly(uninterrupted, train, tmp_path):
         torch.testing.assert_close(resumed[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_a_second_run_keeps_the_first_runs_checkpoint(train_in_process, tmp_path, monkeypatch):
+def test_a_second_run_keeps_the_first_runs_checkpoint(uninterrupted, tmp_path, monkeypatch):
     """`nox -s train` twice: two run folders, both checkpoints kept, `--resume` takes the newest.
-    The first run trains; the second's ranks are stood in for by a copy of that checkpoint into
-    the folder it was given (what its ranks would write: the first run shows they do)."""
+    Each run's ranks are stood in for by a copy of the uninterrupted run's checkpoints into the
+    folder `train` hands them (`--dump-folder`), which is what real ranks write there: the
+    uninterrupted run shows they do."""
     from qwentitan.launch.launcher import cli
     from qwentitan.launch.runtime import preemption
 
-    monkeypatch.chdir(tmp_path)
-    tiny = ["--ranks", "1", "--steps", "1", "--seq-len", "32", "--local-batch-size", "1"]
-    code, log = train_in_process(tiny, tmp_path / "first.log")
-    assert code == 0, log[-3000:]
-    first = (tmp_path / "outputs" / "tiny_dense" / "latest").resolve()
-    assert (first / "checkpoint" / "step-1" / ".metadata").is_file()
-
+    saved = uninterrupted[0] / "checkpoint"
     launched = []
 
     def ranks(argv, env, **_):
         launched.append(folder := Path(argv[argv.index("--dump-folder") + 1]))
-        shutil.copytree(first / "checkpoint", folder / "checkpoint", dirs_exist_ok=True)
+        shutil.copytree(saved, folder / "checkpoint", dirs_exist_ok=True)
         return 0
 
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(preemption, "supervise", ranks)
+    tiny = ["--ranks", "1", "--steps", "4", "--seq-len", "32", "--local-batch-size", "1"]
+    latest = tmp_path / "outputs" / "tiny_dense" / "latest"
     assert cli.main(["train", *tiny]) == 0
-    second = (tmp_path / "outputs" / "tiny_dense" / "latest").resolve()
-    assert launched == [second] and second != first and second.parent == first.parent
+    first = latest.resolve()
+    assert cli.main(["train", *tiny]) == 0
+    second = latest.resolve()
+    assert launched == [first, second] and second != first and second.parent == first.parent
     for folder in (first, second):
-        assert (folder / "checkpoint" / "step-1" / ".metadata").is_file()
-    assert cli.main(["train", *tiny[:2], "--steps", "2", "--resume"]) == 0
-    assert launched[1] == second
+        assert (folder / "checkpoint" / "step-4" / ".metadata").is_file()
+    assert cli.main(["train", *tiny[:2], "--steps", "5", "--resume"]) == 0
+    assert launched[2] == second
 
 
 def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted):
