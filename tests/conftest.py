@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -84,6 +85,27 @@ def training_slot(
                 handle.close()
 
     return slot
+
+
+@pytest.fixture(scope="session")
+def new_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], str]:
+    """`new_mlflow_store(folder)`: the URI of a new, empty sqlite MLflow store, folder/mlflow.db.
+    Each is a copy of one store MLflow created once per session: its schema migrations cost
+    seconds of CPU per store. The tests of a store's own creation (two first writers at once, a
+    training that keeps MLflow's creation lines off the console) let MLflow create theirs."""
+    made: list[Path] = []
+
+    def new(folder: Path) -> str:
+        if not made:
+            from mlflow import MlflowClient
+
+            made.append(tmp_path_factory.mktemp("mlflow-store") / "mlflow.db")
+            MlflowClient(f"sqlite:///{made[0]}").search_experiments()  # creates and migrates it
+        path = folder / "mlflow.db"
+        shutil.copyfile(made[0], path)
+        return f"sqlite:///{path}"
+
+    return new
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -253,12 +253,12 @@ CI_STEPS = 3
 
 
 @pytest.mark.slow
-def test_every_layout_trains_one_curve_in_the_mesh_pilot(tmp_path, capsys):
+def test_every_layout_trains_one_curve_in_the_mesh_pilot(tmp_path, capsys, new_mlflow_store):
     from mlflow import MlflowClient
 
     from qwentitan.launch.launcher.pilot.__main__ import main as pilot_main
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     pairs = [word for name in CI_PAIRS for word in ("--pair", name)]
     argv = [*pairs, "--steps", str(CI_STEPS), "--seq-len", "64",
             "--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri]  # fmt: skip

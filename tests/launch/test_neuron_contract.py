@@ -347,13 +347,13 @@ def test_compile_smoke_is_skipped_off_the_target_host():
     assert result.status == "skip" and "neuron" in result.detail
 
 
-def test_fallback_tags_reach_the_mlflow_run(neuron, tmp_path):
+def test_fallback_tags_reach_the_mlflow_run(neuron, tmp_path, new_mlflow_store):
     from mlflow import MlflowClient
 
     from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
     from qwentitan.launch.tracking import MLflowLogger
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     run = MLflowLogger.Config(tracking_uri=uri, recipe="tiny_dense", path="native").build(
         run_dir=tmp_path / "run", config_dict={}, tags={"platform": "neuron"}, world_size=1
     )

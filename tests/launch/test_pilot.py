@@ -120,8 +120,10 @@ def test_the_pilot_refuses_bad_choices_before_anything_trains(tmp_path, kwargs, 
     assert not (tmp_path / "pilot").exists() and not (tmp_path / "mlflow.db").exists()
 
 
-def test_experiments_are_marked_model_training_unless_they_say_otherwise(tmp_path):
-    target = MlflowTarget(f"sqlite:///{tmp_path / 'mlflow.db'}")
+def test_experiments_are_marked_model_training_unless_they_say_otherwise(
+    tmp_path, new_mlflow_store
+):
+    target = MlflowTarget(new_mlflow_store(tmp_path))
     client: MlflowClient = target.client
     fresh = client.get_experiment(target._experiment_id("fresh"))
     assert fresh.tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING == "custom_model_development"
@@ -199,7 +201,7 @@ def test_ctrl_c_to_the_pilot_lets_the_child_save_once_then_stops(tmp_path, sigin
 
 
 def test_ctrl_c_stops_the_whole_pilot_and_ends_its_parent_killed(
-    tmp_path, monkeypatch, sigint_ignored
+    tmp_path, monkeypatch, sigint_ignored, new_mlflow_store
 ):
     from qwentitan.launch.launcher.pilot import run as pilot_run
 
@@ -212,7 +214,7 @@ def test_ctrl_c_stops_the_whole_pilot_and_ends_its_parent_killed(
     monkeypatch.setattr(pilot_run, "_start_checkpoint", lambda folder, *_: folder)
     monkeypatch.setattr(subprocess, "Popen", fake_train)
     _ctrl_c_once_started(started, os.getpid())
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         request = pilot_request(steps=2, ranks_per_node=1, run_dir=str(tmp_path / "pilot"))
         run_pilot(request, uri, experiment="ctrl-c", pairs=["dense"])
@@ -246,7 +248,9 @@ def test_the_pilot_hands_each_child_its_layout(tmp_path):
     ]  # fmt: skip
 
 
-def test_a_safetensors_write_on_a_full_disk_is_one_sentence(tmp_path, monkeypatch, capsys):
+def test_a_safetensors_write_on_a_full_disk_is_one_sentence(
+    tmp_path, monkeypatch, capsys, new_mlflow_store
+):
     from safetensors import SafetensorError
 
     def disk_full(flavor, folder, *, seed=0):
@@ -256,7 +260,7 @@ def test_a_safetensors_write_on_a_full_disk_is_one_sentence(tmp_path, monkeypatc
         )
 
     monkeypatch.setattr(initial_checkpoint, "write_initial_checkpoint", disk_full)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     argv = ["--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri, "--pair", "dense"]
     assert pilot_main(argv) == 2
     err = capsys.readouterr().err
@@ -269,13 +273,13 @@ def test_a_safetensors_write_on_a_full_disk_is_one_sentence(tmp_path, monkeypatc
 
 
 def test_a_full_disk_is_one_sentence_exit_2_and_the_parent_run_is_ended(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, new_mlflow_store
 ):
     def disk_full(flavor, folder, *, seed=0):
         raise OSError(28, "No space left on device", str(folder))
 
     monkeypatch.setattr(initial_checkpoint, "write_initial_checkpoint", disk_full)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     argv = ["--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri, "--pair", "dense"]
     assert pilot_main(argv) == 2
     err = capsys.readouterr().err
@@ -305,7 +309,7 @@ def test_a_layout_over_its_limit_is_one_sentence_naming_layout_step_and_differen
 
 
 def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, new_mlflow_store
 ):
     from qwentitan.launch.launcher.commands.train import Prepared
     from qwentitan.launch.launcher.pilot import run as pilot_run
@@ -332,7 +336,7 @@ def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
     monkeypatch.setattr(subprocess, "Popen", fake_train)
     monkeypatch.setattr(pilot_run, "resolve_plan", plan)
     monkeypatch.setenv("QWENTITAN_TEST_TOKEN", "s3cr3t")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     request = pilot_request(steps=3, run_dir=str(tmp_path / "pilot"))
     pilot = run_pilot(request, uri, pairs=tuple(MESH), perturb="tiny_dense.tp2")
     wanted = {

@@ -38,11 +38,11 @@ def test_report_names_failures_and_skips():
     assert json.loads(report.to_json())["checks"][0]["figures"] == {"torch": "2.14.1"}
 
 
-def test_report_is_attached_to_an_mlflow_run(tmp_path):
+def test_report_is_attached_to_an_mlflow_run(tmp_path, new_mlflow_store):
     import mlflow
 
     report = PreflightReport("r", "cpu", "here (cpu)", [CheckResult("disk", "pass", "plenty")])
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     run_id = report.log_to_mlflow(uri)
     client = mlflow.MlflowClient(tracking_uri=uri)
     run = client.get_run(run_id)

@@ -109,8 +109,8 @@ def test_a_users_own_http_settings_win(tmp_path, capsys, monkeypatch):
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
 
 
-def test_damaged_lines_are_skipped_reported_and_the_run_ends(tmp_path, capsys):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_damaged_lines_are_skipped_reported_and_the_run_ends(tmp_path, capsys, new_mlflow_store):
+    uri = new_mlflow_store(tmp_path)
     path, _ = write_spool(tmp_path / "run", uri)
     lines = path.read_bytes().split(b"\n")
     lines[2] = b'{"kind": "metrics", "seq": 2, "step": 1, "time_ms": 1, "val'  # torn mid-file
@@ -137,8 +137,10 @@ def test_damaged_lines_are_skipped_reported_and_the_run_ends(tmp_path, capsys):
     assert load_spool(path).damaged_lines == (3, 4)
 
 
-def test_a_spool_without_an_end_leaves_its_run_failed_not_running(tmp_path, capsys):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_a_spool_without_an_end_leaves_its_run_failed_not_running(
+    tmp_path, capsys, new_mlflow_store
+):
+    uri = new_mlflow_store(tmp_path)
     path, _ = write_spool(tmp_path / "run", uri, end=False)
     with path.open("ab") as spool:
         spool.write(b'{"kind": "metrics", "seq": 5, "st')  # the process died mid-write
@@ -168,9 +170,9 @@ def test_a_damaged_first_line_is_refused_in_one_sentence(tmp_path, capsys):
 
 
 def test_only_files_inside_the_run_folder_are_uploaded_and_bad_values_are_the_spools(
-    tmp_path, capsys
+    tmp_path, capsys, new_mlflow_store
 ):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = new_mlflow_store(tmp_path)
     run_dir = tmp_path / "run"
     path, _ = write_spool(run_dir, uri)
     (run_dir / "reports").mkdir()

@@ -82,8 +82,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def sqlite_uri(tmp_path_factory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+def sqlite_uri(tmp_path_factory, new_mlflow_store) -> str:
+    return new_mlflow_store(tmp_path_factory.mktemp("store"))
 
 
 def test_every_torchtitan_metric_gets_a_valid_distinct_mlflow_name():
