@@ -137,9 +137,10 @@ def test_compile_with_the_nki_kernels_on_neuron_is_refused_at_plan_time(capsys, 
 
 @pytest.mark.parametrize("recipe", TRN2_RECIPES)
 def test_every_trn2_recipe_reads_its_dataset_on_the_host_offline(recipe):
-    result = check_dataset(resolve_plan(RunRequest(recipe=recipe)))
+    plan = resolve_plan(RunRequest(recipe=recipe))
+    result = check_dataset(plan)
     assert result.status == "pass", result.detail
-    assert result.figures["first_batch"][-1] == resolve_plan(RunRequest(recipe=recipe)).seq_len
+    assert result.figures["first_batch"][-1] == plan.seq_len
 
 
 @pytest.mark.parametrize("dataset", ["c4_test", "allenai/c4"])
