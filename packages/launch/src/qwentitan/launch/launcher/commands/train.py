@@ -63,11 +63,14 @@ class Prepared:
     def save(self, path: Path) -> None:
         """For a `train --prepared PATH` this process starts, which inherits its environment:
         the ranks' environment is written as what it adds to this process's, so no variable of
-        the shell (a token, a key) lands on disk."""
+        the shell (a token, a key) lands on disk. Written whole or not at all."""
+        from qwentitan.checkpoint.files import atomic_file
+
         shell = env_defaults.shell()
         record = {field.name: getattr(self, field.name) for field in fields(self)}
         record["env"] = {key: value for key, value in self.env.items() if shell.get(key) != value}
-        path.write_text(json.dumps(record), encoding="utf-8")
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(record), encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> Prepared:
