@@ -101,6 +101,7 @@ TRN2_PYTHON_TESTS = (
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
+    session.env.update(ONE_THREAD)
     session.run("python", "-m", "pytest", *paths, *PARALLEL, *session.posargs)
 
 
@@ -108,9 +109,15 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 # the other uses the core. A file stays on one worker (tests/conftest.py's scheduler), and a
 # training takes a core per rank across them (the `training_slot` fixture).
 PARALLEL = ("-n", "2", "--dist", "loadfile")
+# Every process of a test session computes on one thread: the workers, the pilots and the other
+# CI session beside them already fill the cores, and OpenMP threads beyond them spin waiting for
+# each other. Two one-rank tiny trainings side by side on 2 cores took 28.5 CPU-s each with two
+# threads (a rank's default here: the cores over its node's ranks) and 21.2 with one.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def _pytest_shared(session: nox.Session, *paths: str) -> None:
+    session.env.update(ONE_THREAD)
     _uv_run(session, "python", "-m", "pytest", *paths, *PARALLEL, *session.posargs)
 
 
@@ -135,6 +142,7 @@ def tests_trn2_python(session: nox.Session) -> None:
     run the lock's newest): what can differ by Python or by that pair (TRN2_PYTHON_TESTS; those
     marked slow are left to the 3.11 run) and a 4-step tiny training."""
     _sync(session, "--all-packages", "--group", "test", "--group", "neuron-pair")
+    session.env.update(ONE_THREAD)
     session.run(
         "python", "-m", "pytest", *TRN2_PYTHON_TESTS, "-m", "not slow",
         "-p", "no:cacheprovider", *PARALLEL, *session.posargs,
