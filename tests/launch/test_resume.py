@@ -137,19 +137,19 @@ def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted
     assert abs(checkpoint_bytes(plan) / saved - 1) < 0.05, (checkpoint_bytes(plan), saved)
 
 
-def test_one_rank_trains_the_two_rank_curve_and_two_ranks_resume_it(uninterrupted, train, tmp_path):
-    """Every mesh, one curve: the same initial weights and the same windows in each step's
-    global batch (2 samples: 2 ranks x 1, or 1 rank x 2 microbatches), so one rank's losses are
-    the two ranks' to float tolerance; its checkpoint resumes on two ranks."""
-    _, reference, _, _ = uninterrupted
+def test_one_rank_resumes_the_two_rank_checkpoint_on_the_same_curve(uninterrupted, train, tmp_path):
+    """Every mesh, one curve: one rank resumes the two ranks' step-2 checkpoint (each tensor
+    resharded from two shards to one) and trains the same windows in step 3's global batch
+    (2 samples: 2 ranks x 1 there, 1 rank x 2 microbatches here), so its loss is the two ranks'
+    to float tolerance; `--stop-after 3` then saves and ends the run before its last step. (One
+    rank from scratch against more ranks: the mesh pilot in tests/launch/test_every_mesh.py.)"""
+    reference_dir, reference, _, _ = uninterrupted
     run_dir = tmp_path / "one-rank"
+    step_2 = "checkpoint/step-2"
+    shutil.copytree(reference_dir / step_2, run_dir / step_2)
     pinned = ["--global-batch-size", "2"]
-    first, _, log = train(run_dir, "--ranks", "1", "--stop-after", "2", *pinned)
-    assert "dp_shard=1" in log and sorted(first) == [1, 2] and "Stopping after step 2" in log
-    assert (run_dir / "checkpoint" / "step-2" / ".metadata").exists()
-    second, _, log = train(run_dir, "--resume", *pinned)  # _TINY's two ranks
-    assert "dp_shard=2" in log and "Training starts at step 3" in log
-    losses = {step: loss for step, (loss, _) in {**first, **second}.items()}
-    assert sorted(losses) == [1, 2, 3, 4]
-    for step, loss in losses.items():
-        assert loss == pytest.approx(reference[step][0], abs=1e-4), step
+    resumed, _, log = train(run_dir, "--ranks", "1", "--resume", "--stop-after", "3", *pinned)
+    assert "dp_shard=1" in log and "Training starts at step 3" in log
+    assert sorted(resumed) == [3] and "Stopping after step 3" in log
+    assert resumed[3][0] == pytest.approx(reference[3][0], abs=1e-4)
+    assert (run_dir / "checkpoint" / "step-3" / ".metadata").exists()
