@@ -130,3 +130,37 @@ def metadata_service() -> Iterator[MetadataStandIn]:
         yield stand_in
     finally:
         stand_in.close()
+
+
+# The bucket of the `s3` fixture.
+BUCKET = "qwentitan-test"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on a free loopback port with BUCKET made, and the AWS environment
+    (endpoint, dummy credentials) that points every SDK of this process and its ranks at it;
+    yields an fsspec filesystem on it."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+            patch.setenv("AWS_ACCESS_KEY_ID", "testing")
+            patch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            import boto3
+
+            boto3.client("s3").create_bucket(Bucket=BUCKET)
+            import fsspec
+
+            yield fsspec.filesystem("s3", skip_instance_cache=True)
+    finally:
+        server.stop()

@@ -1,8 +1,11 @@
 """Two ranks train, stop, resume: the resumed steps equal those of an uninterrupted run."""
 
+import contextlib
+import io
 import math
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,19 +22,34 @@ _TINY = ["--ranks", "2", "--steps", "4", "--seq-len", "32", "--local-batch-size"
          "--validate-every", "2"]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Trained:
+    losses: dict[int, tuple[float, float]]  # step -> (loss, grad_norm)
+    validation: dict[int, float]
+    log: str  # what the ranks printed, as written
+    launcher: str  # what the launcher itself printed (its sys.stdout)
+
+    @property
+    def plain(self) -> str:
+        return _ANSI.sub("", self.log)
+
+
 @pytest.fixture(scope="module")
 def train(train_in_process, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
 
     def run(run_dir, *extra):
-        code, log = train_in_process(
-            [*_TINY, "--run-dir", str(run_dir), *extra], logs / f"{len(list(logs.iterdir()))}.log"
-        )
-        log = _ANSI.sub("", log)
-        assert code == 0, log[-3000:]
-        losses = {int(s): (float(loss), float(norm)) for s, loss, norm in _STEP.findall(log)}
-        validation = {int(s): float(loss) for s, loss in _VALIDATE.findall(log)}
-        return losses, validation, log
+        launcher = io.StringIO()
+        with contextlib.redirect_stdout(launcher):
+            code, log = train_in_process(
+                [*_TINY, "--run-dir", str(run_dir), *extra],
+                logs / f"{len(list(logs.iterdir()))}.log",
+            )
+        plain = _ANSI.sub("", log)
+        assert code == 0, plain[-3000:]
+        losses = {int(s): (float(loss), float(norm)) for s, loss, norm in _STEP.findall(plain)}
+        validation = {int(s): float(loss) for s, loss in _VALIDATE.findall(plain)}
+        return Trained(losses, validation, log, launcher.getvalue())
 
     return run
 
@@ -56,38 +74,79 @@ def final_state(run_dir, step, tmp_path):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, train):
+    """Two ranks, 4 steps, a checkpoint every 2 and MLflow on, into a store the run creates."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    return run_dir, *train(run_dir, "--checkpoint-interval", "2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QWENTITAN_MLFLOW", "on")
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{run_dir / 'mlflow.db'}")
+        return run_dir, train(run_dir / "run", "--checkpoint-interval", "2")
 
 
 def test_two_ranks_train_with_validation_and_checkpoint(uninterrupted):
-    run_dir, losses, validation, log = uninterrupted
+    root, run = uninterrupted
+    losses = run.losses
     assert sorted(losses) == [1, 2, 3, 4]
-    assert sorted(validation) == [1, 2, 4]  # torchtitan validates at step 1 and every freq
-    assert "dp_shard=2" in log  # FSDP over both gloo ranks
+    assert sorted(run.validation) == [1, 2, 4]  # torchtitan validates at step 1 and every freq
+    assert "dp_shard=2" in run.log  # FSDP over both gloo ranks
     # a fresh model starts near ln(vocab) = ln(151936) ~ 11.93 and learns the repeated corpus
     assert losses[1][0] == pytest.approx(math.log(151936), abs=0.1)
     assert losses[4][0] < losses[2][0] < losses[1][0]
     for step in (2, 4):
-        assert (run_dir / "checkpoint" / f"step-{step}" / ".metadata").exists()
+        assert (root / "run" / "checkpoint" / f"step-{step}" / ".metadata").exists()
+
+
+def test_train_ends_with_the_summary_and_without_the_noise(uninterrupted):
+    """The block that ends every `train` (the launcher's own lines), from the metrics rank's
+    report and MLflow run; none of the lines a user cannot act on in the ranks' log."""
+    from mlflow import MlflowClient
+
+    from .test_train_summary import NOISE, summary_rows
+
+    root, run = uninterrupted
+    for noise in NOISE:
+        assert noise not in run.log, noise
+    assert "MFU: n/a on cpu" in run.log
+    assert "Step 1 is the first: it compiles and warms up" in run.log
+    (first_step,) = re.findall(r"First step 1: ([0-9.]+) s", run.log)
+    launcher = run.launcher
+    assert "qwentitan-launch train: starting the ranks" in launcher
+    assert launcher.rstrip().splitlines()[-8] == "Summary"  # the block ends the console
+    rows = summary_rows(launcher[launcher.rindex("Summary\n") :])
+    losses = run.losses
+    # the block's figures and the step lines are each rounded from the rank's own
+    first, final = re.fullmatch(r"([0-9.]+) -> ([0-9.]+) \(step 1 -> 4\)", rows["loss"]).groups()
+    assert float(first) == pytest.approx(losses[1][0], abs=2e-4)
+    assert float(final) == pytest.approx(losses[4][0], abs=2e-4)
+    validated, step = re.fullmatch(r"([0-9.]+) \(step (\d+)\)", rows["validation loss"]).groups()
+    assert float(validated) == pytest.approx(run.validation[4], abs=2e-4) and step == "4"
+    split = re.match(r"(\d+) in total = (\d+) per rank x (\d+) ", rows["tokens/s"])
+    assert split and split[3] == "2" and int(split[2]) > 0
+    assert abs(int(split[1]) - 2 * int(split[2])) <= 2  # each figure rounded on its own
+    assert rows["warm-up"].startswith(f"{first_step} s")  # one figure: the rank's own line
+    assert rows["checkpoints"] == str((root / "run" / "checkpoint").resolve())
+    run_id = rows["MLflow run"].split()[0]
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    logged = MlflowClient(uri).get_run(run_id)
+    assert logged.data.metrics["summary/first_loss"] == pytest.approx(losses[1][0], abs=1e-4)
+    assert f"--backend-store-uri {uri}" in rows["open it"] and rows["open it"].endswith(run_id)
 
 
 def test_resume_continues_exactly(uninterrupted, train, tmp_path):
     """Two ranks resume the uninterrupted run's step-2 checkpoint, as a run stopped there leaves
     it (a stop that saves and ends: `--stop-after` in the one-rank test below), and continue it
     to the same losses, weights and optimizer moments."""
-    reference_dir, reference, reference_validation, _ = uninterrupted
+    root, reference = uninterrupted
     run_dir = tmp_path / "interrupted"
     step_2 = "checkpoint/step-2"
-    shutil.copytree(reference_dir / step_2, run_dir / step_2)
-    second, second_validation, log = train(run_dir, "--resume")
-    assert sorted(second) == [3, 4] and "Training starts at step 3" in log
-    for step, (loss, grad_norm) in second.items():
-        assert loss == pytest.approx(reference[step][0], abs=2e-5), step
-        assert grad_norm == pytest.approx(reference[step][1], abs=2e-4), step
-    assert second_validation[4] == pytest.approx(reference_validation[4], abs=2e-4)
+    shutil.copytree(root / "run" / step_2, run_dir / step_2)
+    second = train(run_dir, "--resume")
+    assert sorted(second.losses) == [3, 4] and "Training starts at step 3" in second.plain
+    for step, (loss, grad_norm) in second.losses.items():
+        assert loss == pytest.approx(reference.losses[step][0], abs=2e-5), step
+        assert grad_norm == pytest.approx(reference.losses[step][1], abs=2e-4), step
+    assert second.validation[4] == pytest.approx(reference.validation[4], abs=2e-4)
     # Weights and optimizer moments after the resumed run equal the uninterrupted run's.
-    expected = final_state(reference_dir, 4, tmp_path)
+    expected = final_state(root / "run", 4, tmp_path)
     resumed = final_state(run_dir, 4, tmp_path)
     assert expected.keys() == resumed.keys()
     assert "optimizer.state.tok_embeddings.weight.exp_avg" in expected
@@ -103,7 +162,7 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(uninterrupted, tmp_path, m
     from qwentitan.launch.launcher import cli
     from qwentitan.launch.runtime import preemption
 
-    saved = uninterrupted[0] / "checkpoint"
+    saved = uninterrupted[0] / "run" / "checkpoint"
     launched = []
 
     def ranks(argv, env, **_):
@@ -130,26 +189,43 @@ def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted
     from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.launcher.run_folder import checkpoint_bytes
 
-    run_dir = uninterrupted[0]
+    run_dir = uninterrupted[0] / "run"
     step = run_dir / "checkpoint" / "step-4"  # the last save: model, optimizer, data state
     saved = sum(f.stat().st_size for f in step.iterdir() if f.is_file())
     plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2, seq_len=32, local_batch_size=1, steps=4, run_dir=str(run_dir)))  # fmt: skip
     assert abs(checkpoint_bytes(plan) / saved - 1) < 0.05, (checkpoint_bytes(plan), saved)
 
 
-def test_one_rank_resumes_the_two_rank_checkpoint_on_the_same_curve(uninterrupted, train, tmp_path):
-    """Every mesh, one curve: one rank resumes the two ranks' step-2 checkpoint (each tensor
-    resharded from two shards to one) and trains the same windows in step 3's global batch
-    (2 samples: 2 ranks x 1 there, 1 rank x 2 microbatches here), so its loss is the two ranks'
-    to float tolerance; `--stop-after 3` then saves and ends the run before its last step. (One
-    rank from scratch against more ranks: the mesh pilot in tests/launch/test_every_mesh.py.)"""
-    reference_dir, reference, _, _ = uninterrupted
-    run_dir = tmp_path / "one-rank"
-    step_2 = "checkpoint/step-2"
-    shutil.copytree(reference_dir / step_2, run_dir / step_2)
+def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
+    uninterrupted, train, s3, tmp_path, monkeypatch
+):
+    """Every mesh, one curve, and a run folder on S3 (`--run-dir s3://...`, moto's server on
+    loopback): one rank resumes the two ranks' step-2 checkpoint from the bucket (each tensor
+    resharded from two shards to one, its `.metadata` read by the allow-list reader before any
+    rank loads it) and trains the same windows in step 3's global batch (2 samples: 2 ranks x 1
+    there, 1 rank x 2 microbatches here), so its loss is the two ranks' to float tolerance;
+    `--stop-after 3` then saves into the bucket and ends the run before its last step. Logs and
+    reports stay in the run's local folder. (One rank from scratch against more ranks: the mesh
+    pilot in tests/launch/test_every_mesh.py.)"""
+    from qwentitan.checkpoint import safe_reader_for
+
+    from .conftest import BUCKET
+
+    root, reference = uninterrupted
+    monkeypatch.chdir(tmp_path)  # the run's local folder: outputs/s3/BUCKET/one-rank
+    s3.put(str(root / "run" / "checkpoint" / "step-2"), f"{BUCKET}/one-rank/checkpoint/step-2",
+           recursive=True)  # fmt: skip
+    assert s3.isfile(f"{BUCKET}/one-rank/checkpoint/step-2/.metadata")
+    run_dir = f"s3://{BUCKET}/one-rank"
     pinned = ["--global-batch-size", "2"]
-    resumed, _, log = train(run_dir, "--ranks", "1", "--resume", "--stop-after", "3", *pinned)
-    assert "dp_shard=1" in log and "Training starts at step 3" in log
-    assert sorted(resumed) == [3] and "Stopping after step 3" in log
-    assert resumed[3][0] == pytest.approx(reference[3][0], abs=1e-4)
-    assert (run_dir / "checkpoint" / "step-3" / ".metadata").exists()
+    resumed = train(run_dir, "--ranks", "1", "--resume", "--stop-after", "3", *pinned)
+    assert "no free-space check for s3://" in resumed.launcher
+    assert "dp_shard=1" in resumed.plain and "Training starts at step 3" in resumed.plain
+    assert sorted(resumed.losses) == [3] and "Stopping after step 3" in resumed.plain
+    assert resumed.losses[3][0] == pytest.approx(reference.losses[3][0], abs=1e-4)
+    listed = sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/one-rank/checkpoint"))
+    assert listed == ["step-2", "step-3"]
+    metadata = safe_reader_for(f"{run_dir}/checkpoint/step-3").read_metadata()
+    assert "tok_embeddings.weight" in metadata.state_dict_metadata
+    local = tmp_path / "outputs" / "s3" / BUCKET / "one-rank"
+    assert (local / "reports" / "summary.json").is_file()
