@@ -244,40 +244,47 @@ def test_torchtitans_pipeline_hint_is_dropped_since_the_console_shows_the_last_s
 
 
 # The mesh pilot's short version (CI): 3 steps of 8 windows of 64 tokens. Its pairs cover FSDP x
-# TP (4 ranks) against 1 rank, and EP on the kernel experts against tiny_moe's FSDP 2. That a
-# perturbed child fails its pair is shown on real runs by the paths pilot
-# (tests/integration/test_mlflow_ui.py), the mesh pilot's own failure sentence and its perturbed
-# child's seed by tests/launch/test_pilot.py.
+# TP (4 ranks) against 1 rank, and EP on the kernel experts against tiny_moe's FSDP 2; a third,
+# TP 2 from the next seed (`--perturb`), must fail: the pilot can fail. (The
+# paths pilot's dense pair trains in tests/integration/test_mlflow_ui.py; its perturbed
+# checkpoint and the mesh pilot's failure sentence are tests/launch/test_pilot.py's.)
 CI_PAIRS = ("tiny_dense.fsdp2-tp2", "tiny_moe_kernels.ep2")
+PERTURBED = "tiny_dense.tp2"
 CI_STEPS = 3
 
 
 @pytest.mark.slow
-def test_every_layout_trains_one_curve_in_the_mesh_pilot(tmp_path, capsys, new_mlflow_store):
+def test_every_layout_trains_one_curve_and_a_perturbed_one_fails_in_the_mesh_pilot(
+    tmp_path, capsys, new_mlflow_store
+):
     from mlflow import MlflowClient
 
     from qwentitan.launch.launcher.pilot.__main__ import main as pilot_main
 
     uri = new_mlflow_store(tmp_path)
-    pairs = [word for name in CI_PAIRS for word in ("--pair", name)]
-    argv = [*pairs, "--steps", str(CI_STEPS), "--seq-len", "64",
+    pairs = [word for name in (*CI_PAIRS, PERTURBED) for word in ("--pair", name)]
+    argv = [*pairs, "--perturb", PERTURBED, "--steps", str(CI_STEPS), "--seq-len", "64",
             "--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri]  # fmt: skip
-    assert pilot_main(argv) == 0
+    assert pilot_main(argv) == 1  # the perturbed pair failed, and so the pilot
     verdicts = {
         line.split()[1]: line
         for line in capsys.readouterr().out.splitlines()
         if line.startswith("pilot: tiny_") and " layout (" in line
     }
-    assert set(verdicts) == set(CI_PAIRS)
+    assert set(verdicts) == {*CI_PAIRS, PERTURBED}
     for name in CI_PAIRS:
         assert ": passed, max |loss difference|" in verdicts[name], verdicts[name]
+    assert ": FAILED, |loss difference|" in verdicts[PERTURBED], verdicts[PERTURBED]
+    assert "exceeds the limit 1e-04" in verdicts[PERTURBED]
     client = MlflowClient(uri)
     (parent,) = client.search_runs(
         [client.get_experiment_by_name("qwentitan-pilot").experiment_id],
         filter_string="attributes.run_name LIKE 'mesh-pilot-%'",
     )
-    assert parent.info.status == "FINISHED" and parent.data.tags["pilot.result"] == "passed"
-    for name in CI_PAIRS:
+    assert parent.info.status == "FAILED" and parent.data.tags["pilot.result"] == "failed"
+    assert parent.data.tags["pilot.perturbed"] == PERTURBED
+    assert parent.data.tags["pilot.failed"] == "none"  # every child trained
+    for name in (*CI_PAIRS, PERTURBED):
         history = client.get_metric_history(parent.info.run_id, f"layout/{name}/abs_loss_diff")
         assert sorted(m.step for m in history) == list(range(1, CI_STEPS + 1)), name
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == [

@@ -17,6 +17,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from qwentitan.launch.base.errors import LaunchError
@@ -223,6 +224,36 @@ def test_ctrl_c_stops_the_whole_pilot_and_ends_its_parent_killed(
     client = MlflowClient(uri)
     (parent,) = client.search_runs([client.get_experiment_by_name("ctrl-c").experiment_id])
     assert parent.info.status == "KILLED"
+
+
+def test_a_perturbed_paths_child_starts_from_a_copy_with_one_weight_scaled(tmp_path):
+    """`--perturb CHILD` of the paths pilot: that child starts from a copy of its pair's seeded
+    checkpoint with PERTURBED_WEIGHT scaled (every logit then scales with it, so the pair fails
+    at its first step); its partner, and the seeded checkpoint itself, keep the weights."""
+    from safetensors.torch import load_file
+
+    from qwentitan.launch.launcher.pilot import run as pilot_run
+
+    def start(perturbed: bool) -> Path:
+        overrides, said = pilot_run._start(tmp_path, "tiny-dense", 0, perturbed=perturbed)
+        folder = Path(overrides[overrides.index("--checkpoint.initial_load_path") + 1])
+        assert said == str(folder)
+        return folder
+
+    seeded, perturbed = start(False), start(True)
+    assert perturbed == seeded.with_name(f"{seeded.name}-perturbed")
+    assert sorted(p.name for p in perturbed.iterdir()) == sorted(p.name for p in seeded.iterdir())
+    weights = {}
+    for folder in (seeded, perturbed):
+        for file in folder.glob("*.safetensors"):
+            weights.setdefault(folder, {}).update(load_file(file))
+    original, scaled = weights[seeded], weights[perturbed]
+    name = pilot_run.PERTURBED_WEIGHT
+    assert original.keys() == scaled.keys() and name in original
+    assert torch.equal(scaled[name], original[name] * pilot_run.PERTURB_SCALE)
+    assert not torch.equal(scaled[name], original[name])
+    assert all(torch.equal(scaled[k], original[k]) for k in original if k != name)
+    assert start(False) == seeded and start(True) == perturbed  # kept, not written again
 
 
 def test_a_child_plan_that_cannot_run_is_refused_before_anything_is_written(tmp_path, capsys):
