@@ -1,4 +1,5 @@
-"""Two ranks train, stop, resume: the resumed steps equal those of an uninterrupted run."""
+"""Two ranks train, stop, resume: the resumed steps equal those of an uninterrupted run. That run
+also shows the Summary block `train` ends with, and one rank resumes it from an S3 run folder."""
 
 import contextlib
 import io
