@@ -27,7 +27,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
         # does not depend on their number, so one rank shows it (and spares a rank's start-up)
         (signal.SIGKILL, signal.SIGTERM, -signal.SIGKILL, 1),
     ],
-    ids=lambda value: getattr(value, "name", None) or f"{value}-rank",
+    ids=["SIGTERM-2-ranks", "SIGKILL-1-rank"],
 )
 def test_signal_to_the_launcher_checkpoints_every_rank_and_leaves_no_process(
     sig, ranks_get, exit_code, ranks, tmp_path
