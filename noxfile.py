@@ -100,15 +100,21 @@ TRN2_PYTHON_TESTS = (
 )  # fmt: skip
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
+def _pytest(session: nox.Session, *paths: str, parallel: tuple[str, ...] | None = None) -> None:
     session.env.update(ONE_THREAD)
-    session.run("python", "-m", "pytest", *paths, *PARALLEL, *session.posargs)
+    workers = PARALLEL if parallel is None else parallel
+    session.run("python", "-m", "pytest", *paths, *workers, *session.posargs)
 
 
 # Two pytest-xdist workers: while one test waits (a process starting, a SLURM job, an install)
 # the other uses the core. A file stays on one worker (tests/conftest.py's scheduler), and a
 # training takes a core per rank across them (the `training_slot` fixture).
 PARALLEL = ("-n", "2", "--dist", "loadfile")
+# The kernels, modeling and checkpoint tests wait on almost nothing, so there a second worker
+# only imports torch and the package's stack once more: in one process (`-n 0`), on an
+# idle 2-core VM, the whole session: kernels 33 -> 17 core-seconds (wall 33 -> 18 s), modeling
+# 79 -> 53 (52 s either way), checkpoint 28 -> 22 (29 -> 31 s). In CI, tests-3.13 runs beside.
+ONE_PROCESS = ("-n", "0")
 # Every process of a test session computes on one thread: the workers, the pilots and the other
 # CI session beside them already fill the cores, and OpenMP threads beyond them spin waiting for
 # each other. Two one-rank tiny trainings side by side on 2 cores took 28.5 CPU-s each with two
@@ -140,7 +146,8 @@ def tests_trn2_python(session: nox.Session) -> None:
     """The CPU rehearsal on the trn2 host's Python with the Neuron SDK's torch and the AWS guide's
     Transformers (the `neuron-pair` group: torch 2.14.0, transformers 5.16.0; the other sessions
     run the lock's newest): what can differ by Python or by that pair (TRN2_PYTHON_TESTS; those
-    marked slow are left to the 3.11 run) and a 4-step tiny training."""
+    marked slow are left to the 3.11 run) and a 4-step tiny training (2 x 64 tokens per rank
+    and step: what it shows is that the CLI trains on this Python)."""
     _sync(session, "--all-packages", "--group", "test", "--group", "neuron-pair")
     session.env.update(ONE_THREAD)
     session.run(
@@ -149,7 +156,8 @@ def tests_trn2_python(session: nox.Session) -> None:
     )  # fmt: skip
     run_dir = Path(session.create_tmp()) / "tiny-train"
     session.run(
-        "qwentitan-launch", "train", "--steps", "4", "--run-dir", str(run_dir),
+        "qwentitan-launch", "train", "--steps", "4", "--seq-len", "64", "--local-batch-size", "2",
+        "--run-dir", str(run_dir),
         env={"QWENTITAN_MLFLOW": "off"},
     )  # fmt: skip
 
@@ -165,7 +173,10 @@ def isolation(session: nox.Session, package: str) -> None:
     fresh = [arg for other in PACKAGES for arg in ("--reinstall-package", f"qwentitan-{other}")]
     _sync(session, "--package", name, "--no-editable", *fresh, "--group", "test")
     session.run("python", "-c", _IMPORT_CHECK.format(package=package))
-    _pytest(session, f"tests/{package}", *(CROSS_PACKAGE_TESTS if package == "launch" else ()))
+    if package == "launch":
+        _pytest(session, f"tests/{package}", *CROSS_PACKAGE_TESTS)
+    else:
+        _pytest(session, f"tests/{package}", parallel=ONE_PROCESS)
 
 
 # The launch package declares the other three, so its environment is the whole stack built as
