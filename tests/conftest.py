@@ -167,13 +167,17 @@ def _train(argv: Sequence[str], log: Path) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="session")
-def train_in_process(training_slot) -> Callable[[Sequence[str], Path], tuple[int, str]]:
-    """`qwentitan-launch train ARGV` called in this process (torchrun and the ranks are still
-    processes); returns the exit code and everything the launcher and its ranks printed, which
-    is also left in the file `log`. For tests whose subject is not the launcher's process tree."""
+def train_in_process(training_slot) -> Callable[..., tuple[int, str]]:
+    """`train(argv, log)`: `qwentitan-launch train ARGV` called in this process (torchrun and
+    the ranks are still processes); returns the exit code and everything the launcher and its
+    ranks printed, which is also left in the file `log`. For tests whose subject is not the
+    launcher's process tree. `at_start()`, if given, returns flags added once the training's
+    cores are held: a deadline counted from the training's start, not from a wait for a core."""
 
-    def train(argv: Sequence[str], log: Path) -> tuple[int, str]:
+    def train(
+        argv: Sequence[str], log: Path, at_start: Callable[[], Sequence[str]] | None = None
+    ) -> tuple[int, str]:
         with training_slot(_ranks(argv)):
-            return _train(argv, log)
+            return _train([*argv, *(at_start() if at_start else ())], log)
 
     return train
