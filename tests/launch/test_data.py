@@ -16,17 +16,20 @@ from qwentitan.launch.runtime.data import (
     build_corpus,
     build_qwen_tokenizer,
     check_dataset,
+    offline_corpus,
+    qwen_tokenizer_folder,
     resolve_dataset,
 )
 
 
 @pytest.fixture(scope="module")
 def two_builds(tmp_path_factory):
-    """The corpus and the tokenizer, each built twice into separate folders."""
+    """The corpus and the tokenizer, each built twice: the test session's cache (built on first
+    use, by whichever test or rank comes first; the trainings read it) and a fresh build."""
     root = tmp_path_factory.mktemp("builds")
     return [
-        (build_corpus(root / f"corpus{i}"), build_qwen_tokenizer(root / f"tokenizer{i}"))
-        for i in (1, 2)
+        (offline_corpus(), qwen_tokenizer_folder()),
+        (build_corpus(root / "corpus"), build_qwen_tokenizer(root / "tokenizer")),
     ]
 
 
