@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -119,7 +120,14 @@ def hermetic_environment(tmp_path_factory: pytest.TempPathFactory):
         # No rank polls a real instance metadata service for spot notices (runtime.spot); the
         # tests of the watcher point it at a loopback stand-in.
         patch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        # Libraries' own caches and settings (Hugging Face, Chromium's profile helpers).
+        # Libraries' own caches and settings (Hugging Face, Chromium's profile helpers); uv's
+        # stays the machine's (it follows XDG_CACHE_HOME otherwise): the installs the tests
+        # rehearse take their wheels from it as a user's would, where an empty cache downloaded
+        # and unpacked PyPI's torch again (19 CPU-s, test_trn2_install.py).
+        if "UV_CACHE_DIR" not in os.environ and (uv := shutil.which("uv")):
+            where = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True)
+            if where.returncode == 0 and where.stdout.strip():
+                patch.setenv("UV_CACHE_DIR", where.stdout.strip())
         patch.setenv("HF_HOME", str(root / "huggingface"))
         patch.setenv("XDG_CACHE_HOME", str(root / "xdg-cache"))
         patch.setenv("XDG_CONFIG_HOME", str(root / "xdg-config"))

@@ -40,14 +40,15 @@ CHROMIUM_FLAGS = [
 
 @pytest.fixture(scope="module")
 def mlflow_ui(tmp_path_factory, free_port):
-    """`mlflow ui` serving a fresh sqlite store on 127.0.0.1; yields its URL."""
+    """`mlflow ui` serving a fresh sqlite store on 127.0.0.1; yields its URL. One worker process
+    (MLflow starts 4 by default, each importing its server: 13 CPU-s more for one browser)."""
     root = tmp_path_factory.mktemp("ui")
     port = free_port()
     log = (root / "server.log").open("w")
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts")],
+         "--artifacts-destination", str(root / "artifacts"), "--workers", "1"],
         cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )  # fmt: skip
