@@ -146,8 +146,9 @@ def tests_trn2_python(session: nox.Session) -> None:
     """The CPU rehearsal on the trn2 host's Python with the Neuron SDK's torch and the AWS guide's
     Transformers (the `neuron-pair` group: torch 2.14.0, transformers 5.16.0; the other sessions
     run the lock's newest): what can differ by Python or by that pair (TRN2_PYTHON_TESTS; those
-    marked slow are left to the 3.11 run) and a 4-step tiny training (2 x 64 tokens per rank
-    and step: what it shows is that the CLI trains on this Python)."""
+    marked slow are left to the 3.11 run) and a 4-step tiny training on one rank (2 x 64 tokens a
+    step: what it shows is that the CLI trains on this Python; two gloo ranks on it are
+    test_preemption's torchrun job)."""
     _sync(session, "--all-packages", "--group", "test", "--group", "neuron-pair")
     session.env.update(ONE_THREAD)
     session.run(
@@ -156,8 +157,8 @@ def tests_trn2_python(session: nox.Session) -> None:
     )  # fmt: skip
     run_dir = Path(session.create_tmp()) / "tiny-train"
     session.run(
-        "qwentitan-launch", "train", "--steps", "4", "--seq-len", "64", "--local-batch-size", "2",
-        "--run-dir", str(run_dir),
+        "qwentitan-launch", "train", "--ranks", "1", "--steps", "4", "--seq-len", "64",
+        "--local-batch-size", "2", "--run-dir", str(run_dir),
         env={"QWENTITAN_MLFLOW": "off"},
     )  # fmt: skip
 
