@@ -150,6 +150,12 @@ def s3():
         port = probe.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    # fsspec keeps one S3FileSystem per set of arguments, and the endpoint is not among them: a
+    # filesystem made against an earlier module's server (now stopped, on another port) would
+    # answer `url_to_fs` here. None is kept past this server.
+    from s3fs import S3FileSystem
+
+    S3FileSystem.clear_instance_cache()
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
@@ -163,4 +169,5 @@ def s3():
 
             yield fsspec.filesystem("s3", skip_instance_cache=True)
     finally:
+        S3FileSystem.clear_instance_cache()
         server.stop()
