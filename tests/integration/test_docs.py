@@ -255,3 +255,29 @@ def test_the_cheap_examples_run(example, argv, capsys):
     out = capsys.readouterr()
     assert code == 0, f"{example}\n{out.err}"
     assert out.out.strip(), example
+
+
+PACKAGES = ("kernels", "modeling", "checkpoint", "launch")
+
+
+def readme_api(package: str) -> set[str]:
+    """The names a package README's "Public API" table lists: each row's first cell opens with
+    the name in backticks (`to_dcp(src, dst)`, `Flavor`)."""
+    text = (ROOT / "packages" / package / "README.md").read_text()
+    section = text.split("\n## Public API\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([A-Za-z_][A-Za-z0-9_]*)", section, re.MULTILINE))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_exports_exactly_what_its_readme_lists(package):
+    module = __import__(f"qwentitan.{package}", fromlist=["__all__"])
+    assert readme_api(package) == set(module.__all__)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_readme_is_short(package):
+    assert len((ROOT / "packages" / package / "README.md").read_text()) <= 8000
+
+
+def test_the_readme_is_a_guide_not_a_notebook():
+    assert len((ROOT / "README.md").read_text()) <= 15000
