@@ -40,7 +40,7 @@ def first_batch_shape(plan: LaunchPlan) -> tuple[tuple[int, ...], str]:
     folder, which = _tokenizer_folder(plan)
     tokenizer = config.tokenizer.build(tokenizer_path=folder)
     loader = config.dataloader.build(
-        dp_world_size=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
+        dp_world_size=plan.batch_ranks,
         dp_rank=0,
         tokenizer=tokenizer,
         seq_len=plan.seq_len,
