@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qwentitan.launch.base.env_defaults import hub_offline
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.scoped_env import hub_offline
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.preflight.report import CheckResult
 from qwentitan.launch.launcher.start import check_local_dataset
