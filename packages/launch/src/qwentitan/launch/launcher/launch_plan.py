@@ -15,7 +15,7 @@ import json
 import shlex
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -222,7 +222,8 @@ class LaunchPlan:
 
     def __getstate__(self) -> dict[str, Any]:
         """The fields and the plain facts (computed here if need be), never the config."""
-        return {name: getattr(self, name) for name in (*_FIELDS, *_PLAIN_FACTS)}
+        names = [f.name for f in fields(self)]
+        return {name: getattr(self, name) for name in (*names, *_PLAIN_FACTS)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -313,10 +314,6 @@ class LaunchPlan:
             "torchrun": self.torchrun_args(),
             "memory_per_rank": self.memory.to_dict(),
         }  # fmt: skip
-
-
-_FIELDS = ("recipe", "overrides", "topology", "nodes", "env", "env_sources", "resume",
-           "rdzv_endpoint", "max_restarts")  # fmt: skip
 
 
 # -- the schema of `from_json`: each field's check (None: good; else why not, after the value) --
