@@ -167,9 +167,14 @@ def _ranks(argv: Sequence[str]) -> int | None:
 
 
 def _train(argv: Sequence[str], log: Path) -> tuple[int, str]:
-    from qwentitan.launch.launcher import cli
+    from unittest import mock
 
-    with _output_to(log):
+    from qwentitan.launch.launcher import child, cli
+
+    # The plan resolved here, in a process that holds torch already (a `train` started from a
+    # shell resolves it in a forked child, so that its supervising process keeps none).
+    in_process = mock.patch.object(child, "in_child", lambda function, *args: function(*args))
+    with _output_to(log), in_process:
         code = cli.main(["train", *argv])
     return code, log.read_text()
 

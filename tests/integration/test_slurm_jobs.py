@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from qwentitan.launch.launcher.cli import main as launch_main
 from qwentitan.launch.launcher.resume import saved_steps
-from qwentitan.launch.runtime.preemption import STOPPED_EXIT
+from qwentitan.launch.launcher.supervisor import STOPPED_EXIT
 
 pytestmark = pytest.mark.slow
 

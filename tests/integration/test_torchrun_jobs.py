@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from qwentitan.launch.launcher.resume import saved_steps
-from qwentitan.launch.runtime.preemption import STOPPED_EXIT
+from qwentitan.launch.launcher.supervisor import STOPPED_EXIT
 
 pytestmark = pytest.mark.slow
 

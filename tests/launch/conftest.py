@@ -171,3 +171,13 @@ def s3():
     finally:
         S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def plans_in_this_process(monkeypatch):
+    """`train` resolves its plan in a forked child so that its supervising process keeps no
+    torch (test_child checks that in a fresh process); a test process holds torch already, so
+    here the plan is resolved in it, as the pilot does."""
+    from qwentitan.launch.launcher import child
+
+    monkeypatch.setattr(child, "in_child", lambda function, *args: function(*args))

@@ -106,7 +106,7 @@ def test_a_signal_to_the_launcher_while_the_ranks_start_is_one_line(tmp_path, si
     agent_argv = [sys.executable, "-m", "qwentitan.launch.launcher.agent", "--standalone",
                   "--nproc-per-node=1", str(script)]  # fmt: skip
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", "import os, sys; from qwentitan.launch.runtime.preemption import "
+        [sys.executable, "-c", "import os, sys; from qwentitan.launch.launcher.supervisor import "
          f"supervise; sys.exit(supervise({agent_argv!r}, dict(os.environ), stopped_exit=75))"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

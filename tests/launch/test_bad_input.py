@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher import cli
-from qwentitan.launch.launcher.plan import meta_model
+from qwentitan.launch.launcher.memory import meta_model
 from qwentitan.launch.launcher.resume import check_resumable
 from qwentitan.launch.recipes import get_recipe
 from qwentitan.launch.runtime.data import check_json_lines
@@ -161,15 +161,15 @@ def test_preflight_names_a_bad_dataset_line_as_train_does(capsys, in_tmp, conten
 def test_run_plan_checks_the_plans_dataset_before_any_rank(
     capsys, in_tmp, monkeypatch, content, line, words
 ):
+    from qwentitan.launch.launcher import supervisor
     from qwentitan.launch.launcher.plan import resolve_plan
     from qwentitan.launch.launcher.plan_file import save_plan
     from qwentitan.launch.launcher.request import RunRequest
-    from qwentitan.launch.runtime import preemption
 
     data = damaged(in_tmp, "train.jsonl", content)
     request = RunRequest(recipe="tiny_dense", dataset=str(data), run_dir=str(in_tmp / "run"))
     path = save_plan(resolve_plan(request), in_tmp / "job.plan.json")
-    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
+    monkeypatch.setattr(supervisor, "supervise", lambda *a, **k: pytest.fail("a rank started"))
     message = refusal(capsys, ["run", "--plan", str(path)])
     assert message.startswith(f"Dataset file {data} line {line} {words}")
     assert data.read_bytes() == content and sorted(os.listdir(in_tmp)) == ["data", "job.plan.json"]
@@ -299,12 +299,12 @@ def test_a_damaged_latest_checkpoint_points_at_the_newest_good_one(tmp_path):
 
 
 def test_run_refuses_a_damaged_checkpoint_it_would_resume(capsys, in_tmp, monkeypatch):
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import supervisor
 
     def never(*_):
         raise AssertionError("torchrun was started")
 
-    monkeypatch.setattr(preemption, "supervise", never)
+    monkeypatch.setattr(supervisor, "supervise", never)
     step = save_checkpoint(in_tmp / "out" / "checkpoint" / "step-1", SMALL)
     what = _truncated_metadata(step)
     before = snapshot(in_tmp)
@@ -454,7 +454,6 @@ PLAN_FILE_FAULTS = {
     "lnc 3": (_changed("lnc", 3), "'lnc' 3 is not one of 1, 2"),
     "instance unknown": (_changed("instance", "z9.huge"), "'instance' \"z9.huge\" is not"),
     "recipe a path": (_changed("recipe", "../x"), "'recipe' \"../x\" is no recipe name"),
-    "plan a list": (_changed("plan", []), "'plan' is not the printed plan"),
 }
 
 
@@ -511,8 +510,7 @@ def test_a_signal_while_the_launcher_checks_is_one_line(capsys, in_tmp, monkeypa
     import signal
     import time
 
-    from qwentitan.launch.launcher import start
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import start, supervisor
 
     def signalled(*_args, **_kwargs):
         os.kill(os.getpid(), getattr(signal, sig))
@@ -520,7 +518,7 @@ def test_a_signal_while_the_launcher_checks_is_one_line(capsys, in_tmp, monkeypa
         pytest.fail("the signal did not stop the command")
 
     monkeypatch.setattr(start.run_folder, "check_free_disk", signalled)
-    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
+    monkeypatch.setattr(supervisor, "supervise", lambda *a, **k: pytest.fail("a rank started"))
     before = signal.getsignal(signal.SIGTERM)
     argv = [command, "--recipe", "tiny_dense", "--steps", "2", "--run-dir", str(in_tmp / "run")]
     assert cli.main(argv) == 128 + getattr(signal, sig)

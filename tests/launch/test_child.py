@@ -29,14 +29,14 @@ _TRAIN = textwrap.dedent(
     """
     import json, sys
     from qwentitan.launch.launcher import cli
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import supervisor
 
     seen = {}
     def supervise(argv, env, **_):
         seen.update(torch="torch" in sys.modules, torchtitan="torchtitan" in sys.modules,
                     argv=argv, colour=env.get("QWENTITAN_COLOR"))
         return 0
-    preemption.supervise = supervise
+    supervisor.supervise = supervise
     code = cli.main(["train", "--ranks", "1", "--steps", "2", "--run-dir", sys.argv[1]])
     print(json.dumps({"code": code, **seen}))
     """

@@ -120,7 +120,7 @@ def test_one_registry_names_every_recipe_and_its_path():
 
 
 def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch, tmp_path):
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import supervisor
 
     started: list[list[str]] = []
 
@@ -128,7 +128,7 @@ def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch,
         started.append(list(command))
         return 0
 
-    monkeypatch.setattr(preemption, "supervise", fake_supervise)
+    monkeypatch.setattr(supervisor, "supervise", fake_supervise)
     extra = ["--metrics.mlflow.parent_run_id", "abc", "--metrics.mlflow.run_name", "native"]
     assert cli.main(["train", "--run-dir", str(tmp_path), "--", *extra]) == 0
     (torchrun,) = [c for c in started if "torchtitan.train" in c]
@@ -145,9 +145,9 @@ def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch,
 def test_train_refuses_a_bad_override_before_any_rank_starts(
     monkeypatch, tmp_path, capsys, override, named
 ):
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import supervisor
 
-    monkeypatch.setattr(preemption, "supervise", lambda *a, **k: pytest.fail("a rank started"))
+    monkeypatch.setattr(supervisor, "supervise", lambda *a, **k: pytest.fail("a rank started"))
     assert cli.main(["train", "--run-dir", str(tmp_path), "--", *override]) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "\n" not in err.strip()

@@ -181,27 +181,33 @@ def test_expert_parallelism_spelled_as_extra_ranks_names_the_layout_it_means(cap
     from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
     right = RunRequest(recipe="tiny_moe", instance="cpu", ranks_per_node=4, fsdp=4, ep=2)
-    assert resolve_plan(right).degrees.expert_parallel == 2
+    assert resolve_plan(right).dims.ep == 2
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
 def test_the_console_rank_is_torchtitans_metrics_rank_on_its_node(schedule):
-    from qwentitan.launch.launcher.plan_rules import ParallelDegrees, console_rank
+    from qwentitan.launch.base.target import get_topology
+    from qwentitan.launch.launcher.launch_plan import LaunchPlan
 
-    pp2 = ParallelDegrees(data_parallel_shard=2, pipeline_parallel=2)
+    def shown(pp: int, nodes: int = 1, schedule: str = schedule) -> int:
+        words = ("--target", "cpu", "--parallelism.pipeline-parallel-degree", str(pp),
+                 "--parallelism.pipeline-parallel-schedule", schedule)  # fmt: skip
+        topology = get_topology("cpu", ranks_per_node=4)
+        return LaunchPlan(recipe="tiny_moe", overrides=words, topology=topology, nodes=nodes)\
+            .console_rank  # fmt: skip
+
     last = 0 if schedule == "ZBVZeroBubble" else 2  # V schedules end on the first rank
-    assert console_rank(pp2, schedule, ranks_per_node=4) == last
-    assert console_rank(ParallelDegrees(data_parallel_shard=4), schedule, 4) == 0
+    assert shown(pp=2) == last
+    assert shown(pp=1) == 0
     # 2 nodes x 4, PP 4: the last stage starts at rank 6, local rank 2 of the second node
-    pp4 = ParallelDegrees(data_parallel_shard=2, pipeline_parallel=4)
-    assert console_rank(pp4, "1F1B", ranks_per_node=4) == 2
+    assert shown(pp=4, nodes=2, schedule="1F1B") == 2
 
 
 def test_aws_reference_run_plans_as_its_tutorial_defines_it():
     from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
     from qwentitan.launch.recipes import recipe_info
 
-    plan = resolve_plan(RunRequest(recipe="qwen3_8b_tp4_fsdp16_sac")).to_dict()
+    plan = resolve_plan(RunRequest(recipe="qwen3_8b_tp4_fsdp16_sac")).facts()
     assert plan["topology"]["instance"] == "trn2.48xlarge" and plan["world_size"] == 64
     assert plan["parallelism"] == {
         "fsdp": 16,
@@ -223,7 +229,7 @@ def test_the_cpu_twin_has_the_same_mesh_shape():
     from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
     plan = resolve_plan(RunRequest(recipe="tiny_tp2_fsdp2_sac", instance="cpu", ranks_per_node=4))
-    assert (plan.degrees.tensor_parallel, plan.degrees.data_parallel_shard) == (2, 2)
+    assert (plan.dims.tp, plan.dims.dp_shard) == (2, 2)
     assert plan.activation_checkpoint == "selective"
     assert plan.global_batch == 8  # pinned: the same windows on 2 or 4 ranks
 

@@ -14,7 +14,7 @@ from qwentitan.launch.launcher.slurm import LOG_FILE_OVERRIDES
 
 
 def accumulation(plan) -> int:
-    return plan.to_dict()["gradient_accumulation_steps"]
+    return plan.facts()["gradient_accumulation_steps"]
 
 
 def test_the_recipes_batch_is_per_node_and_scales_with_nodes():
@@ -31,7 +31,7 @@ def test_the_recipes_batch_is_per_node_and_scales_with_nodes():
 
 def test_fewer_data_parallel_ranks_keep_the_batch_by_accumulating():
     plan = resolve_plan(RunRequest(recipe="qwen3_4b_native", nodes=4, tp=2))
-    assert plan.degrees.data_parallel_shard == 128
+    assert plan.dims.dp_shard == 128
     assert (plan.global_batch, accumulation(plan)) == (256, 2)
 
 

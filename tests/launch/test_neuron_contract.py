@@ -473,15 +473,14 @@ def test_plan_and_train_pick_the_same_instance_on_a_trn2_host(
     every rank use: on a Neuron host a trn2.48xlarge (plan used to pick the CPU)."""
     import json
 
-    from qwentitan.launch.launcher import cli
+    from qwentitan.launch.launcher import cli, supervisor
     from qwentitan.launch.launcher.plan import default_instance
-    from qwentitan.launch.runtime import preemption
     from qwentitan.launch.runtime.platforms import host_target
 
     neuron()
     assert default_instance("tiny_dense") == host_target() == "trn2.48xlarge"
     launched = []
-    monkeypatch.setattr(preemption, "supervise", lambda argv, env, **_: launched.append(argv) or 0)
+    monkeypatch.setattr(supervisor, "supervise", lambda argv, env, **_: launched.append(argv) or 0)
     run_dir = str(tmp_path.resolve() / "run")
     size = ["--recipe", "tiny_dense", "--seq-len", "512", "--run-dir", run_dir]
     assert cli.main(["plan", *size, "--json"]) == 0

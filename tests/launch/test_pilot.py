@@ -35,7 +35,7 @@ from qwentitan.launch.launcher.pilot.mesh import MESH
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.launcher.pilot.run import pilot_request
 from qwentitan.launch.launcher.plan import load_config
-from qwentitan.launch.runtime.preemption import SignalForwarder
+from qwentitan.launch.launcher.supervisor import SignalForwarder
 from qwentitan.launch.tracking.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING, MlflowTarget
 from qwentitan.modeling import initial_checkpoint
 
@@ -194,7 +194,7 @@ def sigint_ignored():
 def test_ctrl_c_to_the_pilot_lets_the_child_save_once_then_stops(tmp_path, sigint_ignored):
     saved, started = tmp_path / "saved", tmp_path / "started"
     _ctrl_c_once_started(started, os.getpid())
-    # the pilot's own forwarding of a child `train`: to the child itself, then stop
+    # an interrupting forwarder: the signal to its child itself, once, then a stop
     forwarder = SignalForwarder(lambda child: [child], interrupting=True)
     with pytest.raises(KeyboardInterrupt), forwarder:
         forwarder.run([sys.executable, "-c", _saving_child(saved, started)])
@@ -209,11 +209,13 @@ def test_ctrl_c_stops_the_whole_pilot_and_ends_its_parent_killed(
     saved, started = tmp_path / "saved", tmp_path / "started"
     real_popen = subprocess.Popen
 
-    def fake_train(command, **kwargs):  # every child is the stand-in, not a real `train`
-        return real_popen([sys.executable, "-c", _saving_child(saved, started)], **kwargs)
+    def fake_agent(command, **kwargs):  # every child's torchrun agent: a stand-in of one rank
+        rank = [sys.executable, "-c", _saving_child(saved, started)]
+        agent = f"import subprocess, sys; sys.exit(subprocess.call({rank!r}))"
+        return real_popen([sys.executable, "-c", agent], **kwargs)
 
     monkeypatch.setattr(pilot_run, "_start_checkpoint", lambda folder, *_: folder)
-    monkeypatch.setattr(subprocess, "Popen", fake_train)
+    monkeypatch.setattr(subprocess, "Popen", fake_agent)
     _ctrl_c_once_started(started, os.getpid())
     uri = new_mlflow_store(tmp_path)
     with pytest.raises(KeyboardInterrupt):
@@ -268,15 +270,15 @@ def test_a_child_plan_that_cannot_run_is_refused_before_anything_is_written(tmp_
 
 
 def test_the_pilot_hands_each_child_its_layout(tmp_path):
-    from qwentitan.launch.launcher.pilot.run import CHILD_FIELDS
-    from qwentitan.launch.launcher.plan_cli import request_argv
+    from qwentitan.launch.launcher.plan import resolve_plan
 
-    request = pilot_request(tp=2, ac="selective", run_dir=str(tmp_path), overrides=("--x", "1"))
-    argv = request_argv(request.replace(recipe="tiny_moe"), CHILD_FIELDS)
-    assert argv == [
-        "--recipe", "tiny_moe", "--ranks-per-node", "2", "--tp", "2", "--ac", "selective",
-        "--steps", "20", "--run-dir", str(tmp_path), "--", "--x", "1",
-    ]  # fmt: skip
+    request = pilot_request(
+        tp=2, ac="selective", run_dir=str(tmp_path), overrides=("--debug.seed", "1")
+    )
+    plan = resolve_plan(request.replace(recipe="tiny_moe"))
+    assert (plan.recipe, plan.ranks_per_node, plan.dims.tp, plan.steps) == ("tiny_moe", 2, 2, 20)
+    assert plan.activation_checkpoint == "selective" and plan.run_folder == tmp_path
+    assert plan.config.debug.seed == 1
 
 
 def test_a_safetensors_write_on_a_full_disk_is_one_sentence(
@@ -342,9 +344,7 @@ def test_a_layout_over_its_limit_is_one_sentence_naming_layout_step_and_differen
 def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
     tmp_path, monkeypatch, new_mlflow_store
 ):
-    from qwentitan.launch.launcher.commands.train import Prepared
     from qwentitan.launch.launcher.pilot import run as pilot_run
-    from qwentitan.launch.launcher.plan_rules import ParallelDegrees
 
     started, planned = [], {}
     real_popen, real_plan = subprocess.Popen, pilot_run.resolve_plan
@@ -353,36 +353,32 @@ def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
         planned[Path(request.run_dir).name] = real_plan(request)
         return planned[Path(request.run_dir).name]
 
-    def fake_train(command, **kwargs):  # each child `train` refused at once: nothing trains
-        if "qwentitan.launch.launcher.cli" not in command:
+    def fake_agent(command, **kwargs):  # each child's torchrun agent fails at once
+        if "qwentitan.launch.launcher.agent" not in command:
             return real_popen(command, **kwargs)
-        # the run the pilot planned for this child and handed to it
-        handed = Path(command[command.index("--prepared") + 1])
-        assert "s3cr3t" not in handed.read_text()  # the shell's variables stay off the disk
-        prepared = Prepared.load(handed)
-        assert prepared.env["QWENTITAN_TEST_TOKEN"] == "s3cr3t"  # the child inherits them
-        started.append(prepared.argv)  # the torchrun line
+        assert kwargs["env"]["QWENTITAN_TEST_TOKEN"] == "s3cr3t"  # the ranks inherit the shell
+        started.append(command)  # the torchrun line
         return real_popen([sys.executable, "-c", "raise SystemExit(1)"], **kwargs)
 
-    monkeypatch.setattr(subprocess, "Popen", fake_train)
+    monkeypatch.setattr(subprocess, "Popen", fake_agent)
     monkeypatch.setattr(pilot_run, "resolve_plan", plan)
     monkeypatch.setenv("QWENTITAN_TEST_TOKEN", "s3cr3t")
     uri = new_mlflow_store(tmp_path)
     request = pilot_request(steps=3, run_dir=str(tmp_path / "pilot"))
     pilot = run_pilot(request, uri, pairs=tuple(MESH), perturb="tiny_dense.tp2")
-    wanted = {
-        "1-rank": ParallelDegrees(1),
-        "fsdp2": ParallelDegrees(2),
-        "tp2": ParallelDegrees(1, tensor_parallel=2),
-        "fsdp2-tp2": ParallelDegrees(2, tensor_parallel=2),
-        "hsdp2x2": ParallelDegrees(2, data_parallel_replicate=2),
-        "pp2": ParallelDegrees(1, pipeline_parallel=2),
-        "ep2": ParallelDegrees(2, expert_parallel=2),
-        "fsdp4-ep2": ParallelDegrees(4, expert_parallel=2),
+    wanted = {  # (FSDP, DP-replicate, TP, PP, EP), as torchtitan's ParallelDims holds them
+        "1-rank": (1, 1, 1, 1, 1),
+        "fsdp2": (2, 1, 1, 1, 1),
+        "tp2": (1, 1, 2, 1, 1),
+        "fsdp2-tp2": (2, 1, 2, 1, 1),
+        "hsdp2x2": (2, 2, 1, 1, 1),
+        "pp2": (1, 1, 1, 2, 1),
+        "ep2": (2, 1, 1, 1, 2),
+        "fsdp4-ep2": (4, 1, 1, 1, 2),
     }
-    assert {c: p.degrees for c, p in planned.items()} == {
-        c: wanted[c.split(".")[1]] for c in planned
-    }
+    dims = {c: (p.dims.dp_shard, p.dims.dp_replicate, p.dims.tp, p.dims.pp, p.dims.ep)
+            for c, p in planned.items()}  # fmt: skip
+    assert dims == {c: wanted[c.split(".")[1]] for c in planned}
     assert {p.global_batch for p in planned.values()} == {8}  # on this host's 2 cores too
     argv = {command[command.index("--metrics.mlflow.run_name") + 1]: command for command in started}
     assert len(argv) == len(started) == 13  # tiny_dense.1-rank is the baseline of four pairs
@@ -393,11 +389,10 @@ def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
     assert "--nproc-per-node=4" in fsdp_tp
     assert fsdp_tp[fsdp_tp.index("--config") : fsdp_tp.index("--debug.seed")] == [
         "--config", "tiny_dense", "--target", "cpu", "--training.local-batch-size", "2",
-        "--training.steps", "3", "--parallelism.data-parallel-shard-degree", "2",
-        "--parallelism.tensor-parallel-degree", "2",
-        "--dump-folder", str(tmp_path / "pilot" / "tiny_dense.fsdp2-tp2"),
+        "--training.global-batch-size", "8", "--training.steps", "3",
+        "--parallelism.data-parallel-shard-degree", "2", "--parallelism.tensor-parallel-degree",
+        "2", "--dump-folder", str(tmp_path / "pilot" / "tiny_dense.fsdp2-tp2"),
     ]  # fmt: skip
-    assert fsdp_tp[-2:] == ["--training.global-batch-size", "8"]
     assert not list((tmp_path / "pilot").glob(".*.prepared.json"))  # removed after each child
     assert not any("--checkpoint.initial_load_path" in a for a in argv.values())
     assert sorted(pilot.failed) == sorted(argv) and not pilot.passed

@@ -21,7 +21,7 @@ def plan(recipe="qwen3_debugmodel", shell=None, **kw):
 
 def test_fsdp_over_all_64_ranks_by_default():
     p = plan()
-    d = p.to_dict()
+    d = p.facts()
     assert (d["world_size"], d["ranks_per_node"], d["lnc"]) == (64, 64, 2)
     assert d["parallelism"] == {"fsdp": 64, "dp_replicate": 1, "tp": 1, "cp": 1, "pp": 1, "ep": 1}
     assert d["seq_len_rule"] == {"multiple_of": 512, "rule": "NKI attention", "ok": True}
@@ -41,7 +41,7 @@ def test_env_sets_the_runtime_lnc_only():
 
 def test_two_nodes_double_the_world_and_add_efa():
     p = plan(nodes=2, rdzv_endpoint="head:29500")
-    assert p.world_size == 128 and p.degrees.data_parallel_shard == 128
+    assert p.world_size == 128 and p.dims.dp_shard == 128
     assert p.env["FI_PROVIDER"] == "efa"
     args = p.torchrun_args()
     assert "--nnodes=2" in args and "--nproc-per-node=64" in args
@@ -57,7 +57,7 @@ def test_torchrun_line_passes_recipe_and_overrides_to_the_trainer():
     tail = args[entry + 2 :]
     assert tail[:4] == ["--module", plan_module.RECIPES_MODULE, "--config", "qwen3_debugmodel"]
     assert tail[-1] == "activation-checkpoint:full"  # a tyro subcommand, so last
-    assert p.degrees.tensor_parallel == 4 and p.degrees.data_parallel_shard == 16
+    assert p.dims.tp == 4 and p.dims.dp_shard == 16
     assert p.config.training.local_batch_size == 2 and p.activation_checkpoint == "full"
 
 
@@ -106,7 +106,7 @@ def test_memory_refusal_names_the_knob():
 
 def test_moe_recipe_accepts_expert_parallelism_dividing_fsdp():
     p = plan("qwen3_moe_debug", ep=8, seq_len=None)
-    assert p.degrees.expert_parallel == 8 and p.model_shape.experts == 64
+    assert p.dims.ep == 8 and p.model_shape.experts == 64
     with pytest.raises(LaunchError, match="Expert parallelism 3 does not divide"):
         plan("qwen3_moe_debug", ep=3, seq_len=None)
 
@@ -139,8 +139,9 @@ def test_visible_cores_in_the_shell_are_refused_for_several_ranks_per_node(visib
 
 def test_compile_on_neuron_gets_the_neuron_backend_and_refuses_others():
     p = plan(overrides=("--compile.enable",))
-    assert p.config.compile.backend == "neuron"
-    assert p.overrides[-2:] == ["--compile.backend", "neuron"]
+    assert p.config.compile.backend == p.compile_backend == "neuron"
+    at = p.overrides.index("--compile.backend")  # the placement's, before the user's overrides
+    assert p.overrides[at + 1] == "neuron" and at < p.overrides.index("--compile.enable")
     assert "backend neuron" in describe(p)
     with pytest.raises(LaunchError, match=r"^Compile backend 'inductor' does not target trn2"):
         plan(overrides=("--compile.enable", "--compile.backend", "inductor"))

@@ -9,13 +9,8 @@ import time
 
 import pytest
 
-from qwentitan.launch.runtime.preemption import (
-    STOPPED_EXIT,
-    PreemptionWatch,
-    ignore_sigusr1,
-    ranks_of,
-    supervise,
-)
+from qwentitan.launch.launcher.supervisor import STOPPED_EXIT, ignore_sigusr1, ranks_of, supervise
+from qwentitan.launch.runtime.preemption import PreemptionWatch
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -118,7 +113,7 @@ def test_supervisor_forwards_sigterm_to_the_ranks_only(tmp_path, stopped_exit):
         [
             sys.executable,
             "-c",
-            "import sys, os; from qwentitan.launch.runtime.preemption import supervise; "
+            "import sys, os; from qwentitan.launch.launcher.supervisor import supervise; "
             f"sys.exit(supervise([sys.executable, {str(agent)!r}], dict(os.environ), "
             f"stopped_exit={stopped_exit}))",
         ]

@@ -80,7 +80,7 @@ def test_pipeline_degree_is_planned():
         # untied embeddings: a tied pair cannot be split over pipeline stages (plan_rules)
         RunRequest(recipe="qwen3_moe_debug", instance="trn2.48xlarge", seq_len=2048, pp=2)
     )
-    assert (plan.degrees.pipeline_parallel, plan.degrees.data_parallel_shard) == (2, 32)
+    assert (plan.dims.pp, plan.dims.dp_shard) == (2, 32)
 
 
 @pytest.mark.parametrize(

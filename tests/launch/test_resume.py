@@ -160,8 +160,7 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(uninterrupted, tmp_path, m
     Each run's ranks are stood in for by a copy of the uninterrupted run's checkpoints into the
     folder `train` hands them (`--dump-folder`), which is what real ranks write there: the
     uninterrupted run shows they do."""
-    from qwentitan.launch.launcher import cli
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import cli, supervisor
 
     saved = uninterrupted[0] / "run" / "checkpoint"
     launched = []
@@ -172,7 +171,7 @@ def test_a_second_run_keeps_the_first_runs_checkpoint(uninterrupted, tmp_path, m
         return 0
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(preemption, "supervise", ranks)
+    monkeypatch.setattr(supervisor, "supervise", ranks)
     tiny = ["--ranks", "1", "--steps", "4", "--seq-len", "32", "--local-batch-size", "1"]
     latest = tmp_path / "outputs" / "tiny_dense" / "latest"
     assert cli.main(["train", *tiny]) == 0

@@ -15,7 +15,7 @@ from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 from qwentitan.launch.launcher.plan_file import load_plan, save_plan
 from qwentitan.launch.launcher.slurm import SlurmOptions, render_sbatch, write_sbatch
-from qwentitan.launch.runtime.preemption import STOPPED_EXIT
+from qwentitan.launch.launcher.supervisor import STOPPED_EXIT
 
 pytestmark = pytest.mark.usefixtures("torchtitan_recipes")
 

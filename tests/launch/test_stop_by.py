@@ -177,8 +177,7 @@ def test_run_exits_as_stopped_after_a_deadline_or_spot_stop(
     import os
     from types import SimpleNamespace
 
-    from qwentitan.launch.launcher import start
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import start, supervisor
 
     report = tmp_path / "reports" / "stop.json"
 
@@ -188,6 +187,6 @@ def test_run_exits_as_stopped_after_a_deadline_or_spot_stop(
         os.utime(report, (time.time() + age_s,) * 2)
         return 0
 
-    monkeypatch.setattr(preemption, "supervise", ranks)
+    monkeypatch.setattr(supervisor, "supervise", ranks)
     plan = SimpleNamespace(run_folder=tmp_path, launch_argv=list, rank_env=dict)
-    assert start.launch(plan, stopped_exit=preemption.STOPPED_EXIT) == expected
+    assert start.launch(plan, stopped_exit=supervisor.STOPPED_EXIT) == expected

@@ -56,7 +56,8 @@ def test_lnc_variable_has_one_reader_and_is_honoured_unless_a_flag_says_else():
 
 
 def test_only_env_defaults_reads_the_environment():
-    """qwentitan.launch reads environment variables in one module, and writes none."""
+    """qwentitan.launch reads environment variables in one module, which writes none, and
+    writes its own environment in one other, for one block at a time (`scoped_env`)."""
     readers = set()
     for file in LAUNCH_SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(file.read_text())):
@@ -64,7 +65,10 @@ def test_only_env_defaults_reads_the_environment():
                 readers.add(file.relative_to(LAUNCH_SRC).as_posix())
             if isinstance(node, ast.Constant) and node.value == LNC_ENV:
                 readers.add(file.relative_to(LAUNCH_SRC).as_posix())
-    assert readers == {"launch/base/env_defaults.py"}
+    assert readers == {"launch/base/env_defaults.py", "launch/base/scoped_env.py"}
+    reader = (LAUNCH_SRC / "launch/base/env_defaults.py").read_text()
+    for write in ("os.environ[", "environ.update", "environ.pop", "environ.setdefault"):
+        assert write not in reader, write
 
 
 def test_sequence_rule_is_the_targets_everywhere():

@@ -58,11 +58,11 @@ def test_resume_without_a_checkpoint(capsys, tmp_path):
 @pytest.fixture
 def launched(monkeypatch):
     """What `train` / `run` would execute: supervise() records its argv and env instead."""
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import supervisor
 
     calls = []
     monkeypatch.setattr(
-        preemption, "supervise", lambda argv, env, **_: calls.append((argv, env)) or 0
+        supervisor, "supervise", lambda argv, env, **_: calls.append((argv, env)) or 0
     )
     return calls
 

@@ -5,18 +5,17 @@ recipes' `hf_assets_path`, the machine kind on `Trainer.Config.target`), set on 
 with torchtitan's own overrides, e.g. `--metrics.mlflow.tracking_uri URI`; a variable below only
 fills in a default (or, for the Neuron runtime's own variables, is checked against the plan), so
 the resolved config (logged to MLflow) holds the value actually used. The environment the ranks'
-processes start with (`launcher.environment.rank_env`) is built from `shell()` below; this
-process's own `os.environ` is written only here, for the length of one block, for libraries
-that read a setting nowhere else (`lacking_set`, `hub_offline`).
+processes start with (`launcher.environment.rank_env`) is built from `shell()` below. This
+module only reads: this process's own `os.environ` is written in one place, `scoped_env`, for
+the length of one block.
 
 This module imports nothing of qwentitan but its error class, so every layer may use it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
@@ -186,49 +185,3 @@ def local_rank() -> int:
 def hub_offline_set() -> bool:
     """Whether `$HF_HUB_OFFLINE` asks huggingface_hub to stay off the network."""
     return (_value("HF_HUB_OFFLINE") or "").lower() in ("1", "true", "yes", "on")
-
-
-@contextlib.contextmanager
-def lacking_set(values: Mapping[str, str]) -> Iterator[None]:
-    """Set those of `values` this process's environment lacks, for the block; restore after.
-
-    One of the two writes to `os.environ`, for a library that reads a setting nowhere else
-    (MLflow's HTTP limits, in `sync-mlflow`'s own process); the ranks get theirs in their
-    process environment.
-    """
-    added = {k: v for k, v in values.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
-
-
-_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-@contextlib.contextmanager
-def hub_offline() -> Iterator[None]:
-    """Hugging Face Hub and datasets offline for the block, restored after: the other write to
-    `os.environ`, for preflight's dataset check (huggingface_hub reads these at each call;
-    datasets reads its own once at import, so its constant is set too)."""
-    saved = {name: os.environ.get(name) for name in _OFFLINE_ENV}
-    os.environ.update(_OFFLINE_ENV)
-    try:
-        import datasets.config as datasets_config
-
-        was = datasets_config.HF_HUB_OFFLINE
-        datasets_config.HF_HUB_OFFLINE = True
-    except ImportError:
-        datasets_config = None
-    try:
-        yield
-    finally:
-        if datasets_config is not None:
-            datasets_config.HF_HUB_OFFLINE = was
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -96,14 +96,3 @@ def matches(version: str, family: str) -> bool:
 def is_fork(version: str) -> bool:
     """Whether an installed torchtitan version is AWS's fork rather than an upstream release."""
     return "neuron" in version or version.startswith("0.2.")
-
-
-def stack_of(versions: dict[str, str | None]) -> str | None:
-    """The newest documented stack these installed versions match entirely, else None."""
-    for sdk in SDK_VERSIONS:
-        if all(
-            versions.get(name) is not None and matches(versions[name], family)
-            for name, family in STACKS[sdk].items()
-        ):
-            return sdk
-    return None

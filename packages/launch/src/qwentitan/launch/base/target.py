@@ -5,8 +5,10 @@ A Target says what one kind of node offers (device type, process-group backend, 
 their memory, the LNC choices, peak FLOPs, the attention that trains there, the price), and its
 methods derive the rest (ranks per node, memory per rank, the sequence-length rule). A Topology is
 a Target with its LNC and ranks per node chosen and checked (`get_topology`): what the plan
-prints, the ranks' config names and tracking prices. This module imports only `errors`, so every
-layer may use it; it reads no environment variable (`env_defaults` does).
+prints, the ranks' config names and tracking prices. This module is data and rules: what it
+needs of this host (CPU cores, GPUs and their memory, for the `cpu` and `cuda` kinds) it asks
+`host`; it imports nothing else of qwentitan but `errors`, so every layer may use it, and reads
+no environment variable (`env_defaults` does).
 
 Figures from the Neuron SDK documentation (aws-neuron/aws-neuron-sdk): a trn2.48xlarge holds 16
 Trainium2 chips of 8 physical NeuronCore-v3 and 96 GiB HBM each
@@ -29,9 +31,9 @@ device name the host reports.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from qwentitan.launch.base import host
 from qwentitan.launch.base.errors import LaunchError
 
 __all__ = [
@@ -144,7 +146,7 @@ class Target:
             return self.chips * self.cores_per_chip // lnc
         if self.device_type == "cpu":
             return cpu_cores()
-        return _cuda_devices()
+        return host.cuda_devices()
 
     def default_ranks(self, lnc: int = 1) -> int:
         """Every rank a node holds; on the CPU host two (the smallest distributed run)."""
@@ -186,12 +188,8 @@ class Target:
             # share.
             return int(self.chip_memory_gib * GIB * lnc / self.cores_per_chip)
         if self.device_type == "cpu":
-            import psutil
-
-            return psutil.virtual_memory().total // ranks
-        import torch
-
-        return min(torch.cuda.get_device_properties(i).total_memory for i in range(ranks))
+            return host.memory_bytes() // ranks
+        return host.cuda_memory_bytes(ranks)
 
     def check_seq_len(self, seq_len: int, lnc: int, max_positions: int | None = None) -> None:
         """Refuse a sequence length these kernels or the model's RoPE table cannot take."""
@@ -297,18 +295,7 @@ def get_target(name: str) -> Target:
     return target
 
 
-def cpu_cores() -> int:
-    """CPU cores this process may run on: the CPU host's rank limit, for train and plan alike."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return os.cpu_count() or 1
-
-
-def _cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+cpu_cores = host.cpu_cores  # the CPU host's rank limit, for train and plan alike
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,13 +20,10 @@ __all__ = ["in_child"]
 
 
 def in_child(function: Callable[..., T], *args: Any) -> T:
-    """`function(*args)` in a forked child: its result, or its exception raised here.
-
-    Where torch is already imported (a Python caller, the tests) a child would save nothing,
-    so it runs in this process; the result is the same either way. The child prints nothing
-    of its own: its result says what to print.
-    """
-    if "torch" in sys.modules or not hasattr(os, "fork"):
+    """`function(*args)` in a forked child: its result, or its exception raised here. The
+    child prints nothing of its own: its result says what to print. Without `fork` (not POSIX)
+    it runs in this process."""
+    if not hasattr(os, "fork"):
         return function(*args)
     sys.stdout.flush()  # else the child would print this process's buffered lines again
     sys.stderr.flush()

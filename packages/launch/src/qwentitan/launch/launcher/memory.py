@@ -173,17 +173,17 @@ def meta_model(config: Any) -> torch.nn.Module:
 
 
 def estimate_for(
-    config: Any, shape: ModelShape, degrees: Any, topology: Any, ac: str
+    config: Any, shape: ModelShape, dims: Any, topology: Any, ac: str
 ) -> MemoryEstimate:
-    """`estimate_memory` of a recipe's config under resolved parallel degrees on a Topology."""
+    """`estimate_memory` of a recipe's config under torchtitan's `ParallelDims` on a Topology."""
     # torchtitan casts to the mixed-precision dtype only through fully_shard, which it applies
     # when more than one rank shards (dp_shard x cp > 1); otherwise everything is the training dtype.
-    fsdp = degrees.data_parallel_shard * degrees.context_parallel > 1
+    fsdp = dims.dp_shard * dims.cp > 1
     training_bytes = 4 if config.training.dtype == "float32" else 2
     compute_bytes = (
         2 if fsdp and config.training.mixed_precision_param == "bfloat16" else training_bytes
     )
-    shards = degrees.data_parallel_shard * degrees.context_parallel * degrees.tensor_parallel
+    shards = dims.dp_shard * dims.cp * dims.tp
     return estimate_memory(
         shape,
         seq_len=config.training.seq_len,
@@ -192,7 +192,7 @@ def estimate_for(
         available=topology.memory_per_rank_bytes,
         dense_shards=shards,
         expert_shards=shards,
-        tensor_parallel=degrees.tensor_parallel,
+        tensor_parallel=dims.tp,
         training_dtype_bytes=training_bytes,
         compute_dtype_bytes=compute_bytes,
         loss_chunks=getattr(config.loss, "num_chunks", 1),

@@ -35,7 +35,6 @@ __all__ = [
     "flag_of",
     "phrasing",
     "plan_from_args",
-    "request_argv",
     "request_from_args",
 ]
 
@@ -228,21 +227,6 @@ def request_from_args(args: argparse.Namespace, **changes: Any) -> RunRequest:
     return RunRequest(**{**given, **changes})
 
 
-def request_argv(request: RunRequest, fields: Iterable[str]) -> list[str]:
-    """The flags that ask for `request`'s `fields` (those not at their default), then its
-    overrides after `--`: how one command hands a request to another (the pilot to `train`)."""
-    words: list[str] = []
-    for name in fields:
-        value = getattr(request, name)
-        if value is not None and value != _default(name):
-            words += [FLAGS[name].names[0], str(value)]
-    return [*words, "--", *request.overrides] if request.overrides else words
-
-
-def _default(name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(RunRequest) if f.name == name)
-
-
 def flag_of(field: str) -> str:
     """The flag that sets request field `field`."""
     flag = FLAGS.get(field)
@@ -276,24 +260,23 @@ def plan_from_args(args: argparse.Namespace, **changes: Any) -> LaunchPlan:
 
 def describe(plan: LaunchPlan) -> str:
     """The plan as a short human-readable block."""
-    d = plan.to_dict()
-    t = plan.topology
-    p = d["parallelism"]
-    m = d["memory_per_rank"]
-    rule = d["seq_len_rule"]
+    t, dims, m = plan.topology, plan.dims, plan.memory.to_dict()
+    multiple = t.seq_len_multiple
+    spec = plan.config.model_spec
     lines = [
-        f"recipe        {plan.recipe}  ({d['model']['name']} {d['model']['flavor']}, "
-        f"{(plan.model_shape.params if plan.model_shape else 0) / 1e9:.2f}B params)",
+        f"recipe        {plan.recipe}  ({getattr(spec, 'name', None)} "
+        f"{getattr(spec, 'flavor', None)}, {plan.model_shape.params / 1e9:.2f}B params)",
         f"instance      {t.name} x {plan.nodes} node(s): {t.target.description}",
         f"ranks         {plan.world_size} = {plan.nodes} x {plan.ranks_per_node} per node, "
         f"{t.device_type} / {t.backend}"
         + (f", LNC {plan.lnc}" if t.device_type == "neuron" else ""),
         *([f"note          {plan.note}"] if plan.note else []),
-        f"parallelism   FSDP {p['fsdp']}  TP {p['tp']}  EP {p['ep']}  CP {p['cp']}  PP {p['pp']}"
-        f"  DP-replicate {p['dp_replicate']}",
-        f"batch         seq len {plan.seq_len} (multiple of {rule['multiple_of']}: "
-        f"{'ok' if rule['ok'] else 'NO'}), local {plan.local_batch}, global {plan.global_batch}, "
-        f"{plan.steps} steps, activation checkpointing {plan.activation_checkpoint}",
+        f"parallelism   FSDP {dims.dp_shard}  TP {dims.tp}  EP {dims.ep}  CP {dims.cp}  "
+        f"PP {dims.pp}  DP-replicate {dims.dp_replicate}",
+        f"batch         seq len {plan.seq_len} (multiple of {multiple}: "
+        f"{'ok' if plan.seq_len % multiple == 0 else 'NO'}), local {plan.local_batch}, "
+        f"global {plan.global_batch}, {plan.steps} steps, activation checkpointing "
+        f"{plan.activation_checkpoint}",
         f"run folder    {plan.run_folder} (resume: {plan.resume})"
         + (
             f", checkpoints in {plan.checkpoint_folder}"
@@ -301,8 +284,8 @@ def describe(plan: LaunchPlan) -> str:
             else ""
         ),
         *(
-            [f"compile       torch.compile, backend {plan.config.compile.backend}"]
-            if plan.config.compile.enable
+            [f"compile       torch.compile, backend {plan.compile_backend}"]
+            if plan.compile_backend
             else []
         ),
         f"memory/rank   {m['total_gib']:.2f} GiB of {m['available_gib']:.2f} GiB "

@@ -1,59 +1,37 @@
-"""The rules a plan is checked by, one function each: parallel degrees, the global batch, the
-ranges of config values, the loss's chunks, `--stop-after`, the compile backend, the model's
-positions, the layouts a model cannot train (`check_layout`). `resolve_plan` applies them all
-to the config every rank will build, so a value is checked the same whether it came from one of
-our flags or from a torchtitan override. Each
-refusal is a `LaunchError` of one sentence naming the fix.
+"""The rules a plan is checked by, one function each: parallel degrees (torchtitan's own
+`ParallelDims`, its refusal said in our words), the global batch, the ranges of config values,
+the loss's chunks, `--stop-after`, the compile backend, the model's positions, the layouts a
+model cannot train (`check_layout`). `check_plan` applies them all to the config every rank will
+build, so a value is checked the same whether it came from one of our flags or from a
+torchtitan override. Each refusal is a `LaunchError` of one sentence naming the fix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import Topology
 
+if TYPE_CHECKING:
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
 __all__ = [
     "NEURON_COMPILE_BACKEND",
-    "ParallelDegrees",
-    "check_compile_with_nki",
+    "check_compile",
+    "check_global_batch",
     "check_layout",
     "check_loss_chunks",
     "check_ranges",
     "check_stop_after",
-    "compile_backend",
-    "console_rank",
-    "global_batch_size",
     "max_positions",
-    "resolve_degrees",
+    "parallel_dims",
+    "scaled_global_batch",
 ]
 
 # torch.compile's backend on Neuron (TorchNeuron registers it); torchtitan's default is inductor.
 NEURON_COMPILE_BACKEND = "neuron"
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelDegrees:
-    """torchtitan's parallelism degrees, all resolved (no -1 left)."""
-
-    data_parallel_shard: int
-    data_parallel_replicate: int = 1
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    pipeline_parallel: int = 1
-    expert_parallel: int = 1
-
-    def product(self) -> int:
-        return (
-            self.data_parallel_shard
-            * self.data_parallel_replicate
-            * self.tensor_parallel
-            * self.context_parallel
-            * self.pipeline_parallel
-        )
 
 
 def max_positions(model: Any) -> int | None:
@@ -144,20 +122,17 @@ def check_stop_after(config: Any, resume: str) -> None:
         )
 
 
-def compile_backend(config: Any, topology: Topology, overrides: list[str]) -> str | None:
-    """The compile backend the plan must add: `neuron` for a compiled Neuron run (torchtitan's
-    default, inductor, does not target Neuron); None when nothing is to be added."""
+def check_compile(config: Any, topology: Topology) -> None:
+    """A compiled Neuron run needs the `neuron` backend (the plan's placement overrides name it:
+    torchtitan's default, inductor, does not target Neuron) and no NKI kernels in its model."""
     if topology.device_type != "neuron" or not config.compile.enable:
-        return None
-    if config.compile.backend == NEURON_COMPILE_BACKEND:
-        return None
-    named = any(word.split("=")[0] in ("--compile.backend",) for word in overrides)
-    if named or config.compile.backend != "inductor":
+        return
+    if config.compile.backend != NEURON_COMPILE_BACKEND:
         raise LaunchError(
             f"Compile backend {config.compile.backend!r} does not target {topology.name}; pass "
             f"--compile.backend {NEURON_COMPILE_BACKEND} or leave it out."
         )
-    return NEURON_COMPILE_BACKEND
+    check_compile_with_nki(config, topology)
 
 
 def check_compile_with_nki(config: Any, topology: Topology) -> None:
@@ -165,7 +140,7 @@ def check_compile_with_nki(config: Any, topology: Topology) -> None:
     NKI kernel inside `torch.compile` only when it is registered with `nki_op` ("How to work
     with NKI kernels from torch-neuronx", Neuron SDK 2.33), and qwentitan's custom ops call
     their `@nki.jit` kernels plainly, which TorchNeuron documents for eager mode, the mode AWS's
-    MoE kernels example runs. Called by `plan_from_overrides` beside `compile_backend`."""
+    MoE kernels example runs."""
     spec = getattr(config, "model_spec", None)
     if topology.device_type != "neuron" or not config.compile.enable or spec is None:
         return
@@ -181,24 +156,20 @@ def check_compile_with_nki(config: Any, topology: Topology) -> None:
         )
 
 
-def global_batch_size(
-    recipe_batch: int, *, local: int, batch_ranks: int, nodes: int, pinned: bool
-) -> int:
-    """Samples per optimizer step: pinned by the request, else it follows the world size.
+def scaled_global_batch(recipe_batch: int, nodes: int) -> int | None:
+    """The global batch N nodes take of a recipe written for one instance: N times its own, with
+    the same gradient accumulation; None where nothing scales (one node, or a recipe without one,
+    which takes one local batch per data-parallel rank, torchtitan's default)."""
+    return recipe_batch * nodes if nodes > 1 and recipe_batch > 0 else None
 
-    A recipe's global batch is what one node takes (it is written for one instance), so N nodes
-    take N times it with the same gradient accumulation; a recipe without one takes one local
-    batch per data-parallel rank (torchtitan's default).
-    """
+
+def check_global_batch(
+    batch: int, *, local: int, batch_ranks: int, source: str = "{global_batch_size}"
+) -> None:
+    """Samples per optimizer step must be whole local batches on every data-parallel rank;
+    `source` says where `batch` came from."""
     micro = local * batch_ranks
-    if pinned:
-        batch, source = recipe_batch, "{global_batch_size}"
-    elif recipe_batch > 0:
-        batch = recipe_batch * nodes
-        source = f"the recipe's {recipe_batch} per node x {nodes} node{'s' * (nodes > 1)}"
-    else:
-        return micro
-    if batch % micro:
+    if batch > 0 and batch % micro:
         fits = max(micro, round(batch / micro) * micro)
         raise LaunchError(
             f"Global batch {batch} is not a multiple of local batch {local} x {batch_ranks} "
@@ -206,63 +177,68 @@ def global_batch_size(
             f"(or another multiple of {micro}).",
             field="global_batch_size",
         )
-    return batch
 
 
-def resolve_degrees(parallelism: Any, world: int, topology: Topology) -> ParallelDegrees:
-    tp = parallelism.tensor_parallel_degree
-    cp = parallelism.context_parallel_degree
-    pp = parallelism.pipeline_parallel_degree
-    rep = parallelism.data_parallel_replicate_degree
-    shard = parallelism.data_parallel_shard_degree
-    ep = parallelism.expert_parallel_degree
+def parallel_dims(parallelism: Any, world: int, topology: Topology) -> ParallelDims:
+    """torchtitan's own `ParallelDims` of the config on `world` ranks, which every rank builds
+    too: its validation is the check, its refusal (an assertion) said here in one sentence."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    try:
+        dims = ParallelDims.from_config(parallelism, world)
+    except AssertionError:
+        raise _degrees_refusal(parallelism, world, topology) from None
+    dense = dims.dp_shard * dims.cp * dims.tp
+    if dense % dims.ep:  # torchtitan finds this only when it builds the expert mesh
+        raise LaunchError(
+            f"Expert parallelism {dims.ep} does not divide FSDP x CP x TP = {dense} on "
+            f"{_where(world, topology)}; choose {{ep}} dividing {dense}.",
+            field="ep",
+        )
+    return dims
+
+
+def _where(world: int, topology: Topology) -> str:
+    return f"{world} ranks ({topology.name}, LNC {topology.lnc})"
+
+
+def _degrees_refusal(p: Any, world: int, topology: Topology) -> LaunchError:
+    """What torchtitan's ParallelDims refused, named by the flags that set it."""
+    tp, cp, pp = p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree
+    rep, shard, ep = (
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.expert_parallel_degree,
+    )
     for name, value in (("{tp}", tp), ("{ep}", ep), ("context parallel", cp), ("{pp}", pp)):
         if value < 1:
             field = name.strip("{}") if name.startswith("{") else None
-            raise LaunchError(
+            return LaunchError(
                 f"Parallel degree {name} must be at least 1, not {value}.", field=field
             )
     others = tp * cp * pp * rep
-    where = f"{world} ranks ({topology.name}, LNC {topology.lnc})"
+    where = _where(world, topology)
     if shard == -1:
-        if world % others:
-            raise LaunchError(
-                f"TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = {others} does not divide the "
-                f"world size of {where}; choose {{tp}} dividing {world}.",
-                field="tp",
-            )
-        shard = world // others
-    degrees = ParallelDegrees(shard, rep, tp, cp, pp, ep)
-    _check_expert_ranks(degrees, world)
-    if degrees.product() != world:
-        raise LaunchError(
-            f"FSDP {shard} x TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = "
-            f"{degrees.product()} is not the world size of {where}; "
-            f"drop {{fsdp}} to let it fill the remaining ranks, or make the product {world}.",
-            field="fsdp",
+        return LaunchError(
+            f"TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = {others} does not divide the "
+            f"world size of {where}; choose {{tp}} dividing {world}.",
+            field="tp",
         )
-    dense = shard * cp * tp
-    if dense % ep:
-        raise LaunchError(
-            f"Expert parallelism {ep} does not divide FSDP x CP x TP = {dense} on {where}; "
-            f"choose {{ep}} dividing {dense}.",
-            field="ep",
-        )
-    return degrees
-
-
-def _check_expert_ranks(degrees: ParallelDegrees, world: int) -> None:
-    """`--fsdp 2 --ep 2` on 4 ranks: EP is carved out of FSDP x CP x TP, it adds no ranks."""
-    product, ep = degrees.product(), degrees.expert_parallel
-    if ep > 1 and product != world and product * ep == world:
-        fsdp = degrees.data_parallel_shard * ep
-        raise LaunchError(
+    product = shard * others
+    if ep > 1 and product * ep == world:
+        # `--fsdp 2 --ep 2` on 4 ranks: EP is carved out of FSDP x CP x TP, it adds no ranks.
+        return LaunchError(
             f"Expert parallelism borrows its ranks from FSDP x CP x TP instead of adding its own, "
-            f"so FSDP {degrees.data_parallel_shard} x EP {ep} covers {product} ranks, not "
-            f"{world}; pass {{fsdp}} {fsdp} {{ep}} {ep} to shard the experts {ep} ways within "
-            f"FSDP {fsdp}.",
+            f"so FSDP {shard} x EP {ep} covers {product} ranks, not {world}; pass {{fsdp}} "
+            f"{shard * ep} {{ep}} {ep} to shard the experts {ep} ways within FSDP {shard * ep}.",
             field="ep",
         )
+    return LaunchError(
+        f"FSDP {shard} x TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = {product} is not the "
+        f"world size of {where}; drop {{fsdp}} to let it fill the remaining ranks, or make the "
+        f"product {world}.",
+        field="fsdp",
+    )
 
 
 # How a sentence names each degree's setting: a request field, or (CP, which the request does
@@ -275,22 +251,17 @@ _SETTINGS = {
 }
 
 
-def check_layout(config: Any, degrees: ParallelDegrees, topology: Topology, recipe: str) -> None:
+def check_layout(config: Any, dims: ParallelDims, topology: Topology, recipe: str) -> None:
     """Refuse before any rank starts a layout the recipe's model cannot train (torchtitan and
     qwentitan.modeling would refuse it only inside every rank, with a traceback)."""
-    check_hf_layout(config, degrees, recipe)
-    check_context_parallel(config, degrees, topology)
-    check_pipeline_tying(config, degrees, recipe)
+    check_hf_layout(config, dims, recipe)
+    check_context_parallel(config, dims, topology)
+    check_pipeline_tying(config, dims, recipe)
 
 
-def check_hf_layout(config: Any, degrees: ParallelDegrees, recipe: str) -> None:
+def check_hf_layout(config: Any, dims: ParallelDims, recipe: str) -> None:
     """The hf path (transformers' model) shards with FSDP and HSDP only."""
-    asked = {
-        "TP": degrees.tensor_parallel,
-        "CP": degrees.context_parallel,
-        "PP": degrees.pipeline_parallel,
-        "EP": degrees.expert_parallel,
-    }
+    asked = {"TP": dims.tp, "CP": dims.cp, "PP": dims.pp, "EP": dims.ep}
     bad = {name: value for name, value in asked.items() if value > 1}
     if not bad:
         return
@@ -308,9 +279,9 @@ def check_hf_layout(config: Any, degrees: ParallelDegrees, recipe: str) -> None:
     )
 
 
-def check_context_parallel(config: Any, degrees: ParallelDegrees, topology: Topology) -> None:
+def check_context_parallel(config: Any, dims: ParallelDims, topology: Topology) -> None:
     """CP needs FlexAttention under torchtitan 0.3.0's multi-axis backends, and no CPU runs it."""
-    cp = degrees.context_parallel
+    cp = dims.cp
     if cp == 1:
         return
     if topology.device_type == "cpu":
@@ -331,9 +302,9 @@ def check_context_parallel(config: Any, degrees: ParallelDegrees, topology: Topo
         )
 
 
-def check_pipeline_tying(config: Any, degrees: ParallelDegrees, recipe: str) -> None:
+def check_pipeline_tying(config: Any, dims: ParallelDims, recipe: str) -> None:
     """A tied embedding and output head would sit in the first and the last pipeline stage."""
-    pp = degrees.pipeline_parallel
+    pp = dims.pp
     if pp > 1 and getattr(config.model_spec.model, "enable_weight_tying", False):
         raise LaunchError(
             f"Recipe {recipe!r} ties its input embedding to its output head, which pipeline "
@@ -341,14 +312,3 @@ def check_pipeline_tying(config: Any, degrees: ParallelDegrees, recipe: str) -> 
             "with untied embeddings (e.g. tiny_moe).",
             field="pp",
         )
-
-
-def console_rank(degrees: ParallelDegrees, pp_schedule: str, ranks_per_node: int) -> int:
-    """The local rank whose lines the console shows (torchrun's `--local-ranks-filter`):
-    torchtitan's metrics rank, on its node. Under PP that is the first rank of the last stage,
-    the only one that has the loss (the first stage logs -1); else rank 0."""
-    from torchtitan.components.metrics import _get_metrics_rank
-
-    pp = degrees.pipeline_parallel
-    dims = SimpleNamespace(pp_enabled=pp > 1, pp=pp, world_size=degrees.product())
-    return _get_metrics_rank(parallel_dims=dims, pp_schedule=pp_schedule) % ranks_per_node

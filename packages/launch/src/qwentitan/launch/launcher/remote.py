@@ -16,8 +16,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from qwentitan.launch.base.errors import LaunchError
 
@@ -53,6 +52,12 @@ def require_backend(url: str) -> None:
             "pass a local {run_dir}.",
             field="run_dir",
         ) from None
+
+
+class RemoteStat(NamedTuple):
+    """What `Path.stat()` gives that the launcher reads of an object on S3."""
+
+    st_size: int
 
 
 class RemotePath:
@@ -104,8 +109,8 @@ class RemotePath:
             if entry.rstrip("/") != self.fs._strip_protocol(self.url):  # an S3 folder marker
                 yield self / name
 
-    def stat(self) -> SimpleNamespace:
-        return SimpleNamespace(st_size=int(self.fs.size(self.url)))
+    def stat(self) -> RemoteStat:
+        return RemoteStat(st_size=int(self.fs.size(self.url)))
 
     def open(self, mode: str = "rb") -> IO[bytes]:
         return self.fs.open(self.url, mode)

@@ -33,6 +33,7 @@ RESUME_MODES = ("fresh", "latest", "auto")
 TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
     "seq_len": ("--training.seq-len",),
     "local_batch_size": ("--training.local-batch-size",),
+    "global_batch_size": ("--training.global-batch-size",),
     "steps": ("--training.steps",),
     "stop_after": ("--stop-after",),
     "stop_by": ("--stop-by",),

@@ -35,7 +35,7 @@ from qwentitan.launch.base.env_defaults import RDZV_ID
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import TRAIN_ENTRY, LaunchPlan
 from qwentitan.launch.launcher.plan_file import save_plan
-from qwentitan.launch.runtime.preemption import STOPPED_EXIT
+from qwentitan.launch.launcher.supervisor import STOPPED_EXIT
 
 DEFAULT_PORT = 29500
 # A job's rendezvous port is the base port plus its job id modulo this.
@@ -145,8 +145,8 @@ def _about(plan: LaunchPlan, o: SlurmOptions) -> list[str]:
     return [
         "",
         f"# {plan.world_size} ranks = {plan.nodes} nodes x {plan.ranks_per_node} "
-        f"({plan.topology.name}, LNC {plan.lnc}); FSDP {plan.degrees.data_parallel_shard}, "
-        f"TP {plan.degrees.tensor_parallel}, EP {plan.degrees.expert_parallel}.",
+        f"({plan.topology.name}, LNC {plan.lnc}); FSDP {plan.dims.dp_shard}, "
+        f"TP {plan.dims.tp}, EP {plan.dims.ep}.",
         "# qwentitan is called by the absolute path of the Python that wrote this script, so the",
         "# job needs no activated environment (sbatch --export=NONE works too).",
         "#",

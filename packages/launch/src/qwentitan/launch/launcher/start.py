@@ -1,10 +1,10 @@
 """What `train` and `run` check on this host before they start a planned run, and the start.
 
-After the plan (the request's own checks) come the host's: its devices, the local data and
-tokenizer the request names, the checkpoints already in the run folder against the request's
+After the plan (its own checks) come the host's: its devices, the local data and tokenizer
+the plan's config names, the checkpoints already in the run folder against the request's
 `resume`, and the free disk the planned checkpoints need. Each refusal is one sentence, before
 any rank starts. `launch` then runs the plan's torchrun line under the signal-forwarding
-supervisor (`runtime.preemption.supervise`).
+supervisor (`launcher.supervisor.supervise`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher import run_folder
 from qwentitan.launch.launcher.plan import LaunchPlan
-from qwentitan.launch.launcher.request import RunRequest
 
 if TYPE_CHECKING:
     from qwentitan.launch.runtime.data import DataSource
@@ -48,14 +47,14 @@ def check_host(plan: LaunchPlan) -> None:
         )
 
 
-def check_inputs(plan: LaunchPlan, request: RunRequest) -> None:
-    """The request's local tokenizer folder and dataset, as every rank will read them."""
+def check_inputs(plan: LaunchPlan) -> None:
+    """The plan's tokenizer folder and local dataset, as every rank will read them."""
     from qwentitan.launch.runtime.data import OFFLINE, check_tokenizer_folder, resolve_dataset
 
-    if request.tokenizer is not None:
-        check_tokenizer_folder(request.tokenizer)
-    if request.dataset not in (None, OFFLINE):
-        check_local_dataset(plan, resolve_dataset(request.dataset))
+    check_tokenizer_folder(plan.config.hf_assets_path)
+    dataset = getattr(plan.config.dataloader, "dataset", None)
+    if dataset not in (None, OFFLINE):
+        check_local_dataset(plan, resolve_dataset(dataset))
 
 
 def check_local_dataset(plan: LaunchPlan, source: DataSource) -> int:
@@ -71,10 +70,10 @@ def check_local_dataset(plan: LaunchPlan, source: DataSource) -> int:
     )
 
 
-def check_before_start(plan: LaunchPlan, request: RunRequest, *, folder_given: bool) -> None:
+def check_before_start(plan: LaunchPlan, *, folder_given: bool) -> None:
     """Everything this host must hold for the plan: devices, inputs, checkpoints, disk."""
     check_host(plan)
-    check_inputs(plan, request)
+    check_inputs(plan)
     run_folder.check_checkpoints(plan, folder_given=folder_given)
     run_folder.check_free_disk(plan)
 
@@ -83,10 +82,10 @@ def launch(plan: LaunchPlan, *, stopped_exit: int = 0) -> int:
     """This node's torchrun agent for the plan, every signal forwarded to its ranks; its exit
     code, or `stopped_exit` when the ranks stopped on a signal (`supervise`), a `--stop-by`
     deadline or a spot notice (their stop report, RUN_DIR/reports/stop.json)."""
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import supervisor
 
     started = time.time()
-    code = preemption.supervise(plan.launch_argv(), plan.rank_env(), stopped_exit=stopped_exit)
+    code = supervisor.supervise(plan.launch_argv(), plan.rank_env(), stopped_exit=stopped_exit)
     return stopped_exit if code == 0 and _stopped_on_notice(plan, started) else code
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import torch
@@ -49,6 +48,13 @@ class MemoryStats:
     sysfs, where this host exposes it; None elsewhere."""
 
 
+class CpuProperties(NamedTuple):
+    """What torchtitan reads of `get_device_properties` (name, total memory in bytes)."""
+
+    name: str
+    total_memory: int
+
+
 class CpuDeviceModule:
     """The `torch.cuda`-like module torchtitan expects, for a host with no accelerator.
 
@@ -81,8 +87,8 @@ class CpuDeviceModule:
     def get_device_name(self, device: Any = None) -> str:
         return "cpu"
 
-    def get_device_properties(self, device: Any = None) -> types.SimpleNamespace:
-        return types.SimpleNamespace(name="cpu", total_memory=psutil.virtual_memory().total)
+    def get_device_properties(self, device: Any = None) -> CpuProperties:
+        return CpuProperties(name="cpu", total_memory=psutil.virtual_memory().total)
 
     # memory, in torch.cuda.memory_stats() keys
     def rss(self) -> int:

@@ -211,8 +211,8 @@ class Trainer(torchtitan_trainer.Trainer):
         """The machine kind the ranks train on, a Target name (cpu, cuda, trn2.48xlarge, ...);
         "" means this host's (`platforms.host_target`)."""
         lnc: int | None = None
-        """Logical NeuronCore size on Trainium (None: `NEURON_LOGICAL_NC_CONFIG`, else the
-        Target's default)."""
+        """Logical NeuronCore size on Trainium, as the plan resolved it (None: the Target's
+        default)."""
         kernels: str = field(default_factory=kernel_choices_text)
         """Which implementation each custom kernel of the moe-kernels path runs, as
         comma-separated kernel=choice pairs (`experts=reference`; `qwentitan.kernels.
@@ -249,11 +249,8 @@ class Trainer(torchtitan_trainer.Trainer):
             return get_target(self.target or host_target())
 
         def placed_lnc(self, target: Target) -> int:
-            """`lnc`, else (on Neuron) the runtime's own setting, else the Target's default."""
-            lnc = self.lnc
-            if lnc is None and target.device_type == "neuron":
-                lnc = env_defaults.configured_lnc()
-            return target.check_lnc(lnc)
+            """`lnc` as the plan resolved it; no fallback of the rank's own."""
+            return target.check_lnc(self.lnc)
 
         def to_dict(self) -> dict[str, Any]:
             config = torchtitan_trainer.Trainer.Config.to_dict(self)

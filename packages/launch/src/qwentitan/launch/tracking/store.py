@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qwentitan.launch.base import env_defaults
+from qwentitan.launch.base import env_defaults, scoped_env
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, load_spool
 
@@ -67,7 +67,7 @@ def bounded_http(timeout_s: int = REQUEST_TIMEOUT_S) -> dict[str, str]:
 
 def bounded_http_waits(timeout_s: int = REQUEST_TIMEOUT_S) -> contextlib.AbstractContextManager:
     """Apply `bounded_http` where the user has not set these variables; restore them after."""
-    return env_defaults.lacking_set(bounded_http(timeout_s))
+    return scoped_env.lacking_set(bounded_http(timeout_s))
 
 
 class MlflowTarget:

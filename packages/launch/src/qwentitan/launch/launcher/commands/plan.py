@@ -25,5 +25,5 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     if plan.note and args.json:
         print(f"qwentitan-launch plan: note: {plan.note}", file=sys.stderr)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else describe(plan))
+    print(json.dumps(plan.facts(), indent=2) if args.json else describe(plan))
     return 0

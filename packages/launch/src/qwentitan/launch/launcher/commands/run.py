@@ -11,7 +11,6 @@ from qwentitan.launch.launcher.plan_cli import (
     add_request_flags,
     describe,
     plan_from_args,
-    request_from_args,
 )
 
 NAME = "run"
@@ -66,15 +65,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     from qwentitan.launch.launcher.start import check_before_start, launch
-    from qwentitan.launch.runtime.preemption import STOPPED_EXIT
+    from qwentitan.launch.launcher.supervisor import STOPPED_EXIT
 
-    # a plan file's run folder is named in it; its local inputs are checked here, on the node
+    # a plan file's run folder and inputs are named in it; they are checked here, on the node
     # that reads them, as `train` checks its own
-    request = request_from_args(args, recipe=plan.recipe)
-    if args.plan:
-        from qwentitan.launch.launcher.plan_file import planned_inputs
-
-        request = request.replace(**planned_inputs(plan))
-    check_before_start(plan, request, folder_given=True)
+    check_before_start(plan, folder_given=True)
     # A stop on a signal (checkpoint saved) is not success: the scheduler may start it again.
     return launch(plan, stopped_exit=STOPPED_EXIT)

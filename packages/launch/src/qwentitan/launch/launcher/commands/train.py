@@ -9,9 +9,10 @@ deleted). It runs the plan's torchrun line under the same checks and supervisor 
 it prints one summary block (`tracking.summary.format_summary`) from
 RUN_DIR/reports/summary.json, which the metrics rank wrote at close.
 
-The pilot plans and checks each child `train` in its own process, which has imported torchtitan
-already, and hands it over in a file (`--prepared FILE`, not shown in `--help`): the child then
-starts its ranks without importing torch and torchtitan again to plan (6-7 CPU-seconds each).
+The plan is resolved and checked in a short-lived child process (`launcher.child`), so the
+process that then supervises the ranks for the whole run keeps none of torch, torchtitan or the
+model stack that building the config imports. The pilot, which has imported them already,
+plans and trains each of its children here in its own process (`plan_training`, `train_plan`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, fields
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan_cli import SHARED, add_request_flags
 from qwentitan.launch.launcher.request import RunRequest
+
+if TYPE_CHECKING:
+    from qwentitan.launch.launcher.launch_plan import LaunchPlan
 
 NAME = "train"
 HELP = (
@@ -45,49 +49,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "nodes": "1: train runs on this machine (`run` starts each node of several)",
         },
     )
-    # The pilot's hand-over (see the module): a run it resolved and checked for this process.
-    parser.add_argument("--prepared", help=argparse.SUPPRESS)
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A checked plan as the supervising process needs it: plain data, no torch object."""
-
-    argv: list[str]
-    env: dict[str, str]
-    said: list[str]  # printed before the ranks start
-    run_dir: str
-    checkpoints: str | None
-    summary: str  # RUN_DIR/reports/summary.json, which the metrics rank writes at close
-
-    def save(self, path: Path) -> None:
-        """For a `train --prepared PATH` this process starts, which inherits its environment:
-        the ranks' environment is written as what it adds to this process's, so no variable of
-        the shell (a token, a key) lands on disk. Written whole or not at all."""
-        from qwentitan.checkpoint.files import atomic_file
-
-        shell = env_defaults.shell()
-        record = {field.name: getattr(self, field.name) for field in fields(self)}
-        record["env"] = {key: value for key, value in self.env.items() if shell.get(key) != value}
-        with atomic_file(path) as tmp:
-            tmp.write_text(json.dumps(record), encoding="utf-8")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Prepared:
-        record = json.loads(Path(path).read_text(encoding="utf-8"))
-        return cls(**{**record, "env": {**env_defaults.shell(), **record["env"]}})
 
 
 def run(args: argparse.Namespace) -> int:
-    from qwentitan.launch.launcher.child import in_child
-    from qwentitan.launch.launcher.run_folder import hold_run_folder
-    from qwentitan.launch.runtime import preemption
+    from qwentitan.launch.launcher import child
 
-    # Resolved and checked in a child process (or by the pilot that started this one): this one
-    # supervises the ranks for the whole run and keeps none of torch, torchtitan or the model
-    # stack that building the config imports.
-    prepared = Prepared.load(args.prepared) if args.prepared else in_child(prepare, args)
-    for line in prepared.said:
+    plan, said = child.in_child(prepare, args)
+    return train_plan(plan, said)
+
+
+def prepare(args: argparse.Namespace) -> tuple[LaunchPlan, list[str]]:
+    """The plan of this `train` and what to print before its ranks start: every check before a
+    start passed, its run folder made."""
+    from qwentitan.launch.launcher.run_folder import point_latest
+
+    request, new_folder = _request(args)
+    plan, said = plan_training(request, folder_given=args.run_dir is not None)
+    if new_folder:
+        point_latest(plan.run_folder)  # only now: a refused run leaves no folder behind
+    return plan, said
+
+
+def plan_training(request: RunRequest, *, folder_given: bool) -> tuple[LaunchPlan, list[str]]:
+    """The checked plan of `request` on this host, and what to print before its ranks start."""
+    from qwentitan.launch.launcher.plan import resolve_plan
+    from qwentitan.launch.launcher.plan_cli import describe
+    from qwentitan.launch.launcher.start import check_before_start
+
+    plan = resolve_plan(request)
+    check_before_start(plan, folder_given=folder_given)
+    said = [f"qwentitan-launch train: note: {plan.note}"] if plan.note else []
+    said += [
+        describe(plan),
+        f"qwentitan-launch train: {plan.recipe} on {plan.ranks_per_node} "
+        f"{plan.topology.device_type} rank(s), {plan.steps} steps, run folder {request.run_dir}",
+    ]
+    return plan, said
+
+
+def train_plan(
+    plan: LaunchPlan,
+    said: list[str],
+    *,
+    supervise: Callable[[list[str], dict[str, str]], int] | None = None,
+) -> int:
+    """Start the plan's ranks under `supervise` (default: `supervisor.supervise`), its run
+    folder held; then the summary block. Reads only the plan's plain facts: no torch here."""
+    from qwentitan.launch.launcher import supervisor
+    from qwentitan.launch.launcher.run_folder import hold_run_folder
+
+    for line in said:
         print(line, flush=True)
     print(
         "qwentitan-launch train: starting the ranks; each loads torch and torchtitan and builds "
@@ -95,43 +106,12 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.time()
-    with hold_run_folder(Path(prepared.run_dir)):
-        code = preemption.supervise(prepared.argv, prepared.env)
-    summary = _summary_block(Path(prepared.summary), prepared.checkpoints, started)
-    if summary is not None:
-        print(summary, flush=True)
+    with hold_run_folder(plan.run_folder):
+        code = (supervise or supervisor.supervise)(plan.launch_argv(), plan.rank_env())
+    block = _summary_block(plan.summary_file, plan.checkpoints, started)
+    if block is not None:
+        print(block, flush=True)
     return code
-
-
-def prepare(args: argparse.Namespace) -> Prepared:
-    """The plan of this `train`, every check before a start passed, its run folder made."""
-    from qwentitan.launch.launcher.plan import resolve_plan
-    from qwentitan.launch.launcher.plan_cli import describe
-    from qwentitan.launch.launcher.run_folder import point_latest
-    from qwentitan.launch.launcher.start import check_before_start
-    from qwentitan.launch.tracking.logger import REPORTS_FOLDER, SUMMARY
-
-    request, new_folder = _request(args)
-    plan = resolve_plan(request)
-    check_before_start(plan, request, folder_given=args.run_dir is not None)
-    run_dir = plan.run_folder  # local; on S3 (`--run-dir s3://...`) all but the checkpoints
-    if new_folder:
-        point_latest(run_dir)  # only now: a refused run leaves no folder behind
-    said = [f"qwentitan-launch train: note: {plan.note}"] if plan.note else []
-    said += [
-        describe(plan),
-        f"qwentitan-launch train: {plan.recipe} on {plan.ranks_per_node} "
-        f"{plan.topology.device_type} rank(s), {plan.steps} steps, run folder {request.run_dir}",
-    ]
-    checkpoints = plan.checkpoint_folder if plan.config.checkpoint.enable else None
-    return Prepared(
-        argv=plan.launch_argv(),
-        env=plan.rank_env(),
-        said=said,
-        run_dir=str(run_dir),
-        checkpoints=str(checkpoints) if checkpoints else None,
-        summary=str(run_dir / REPORTS_FOLDER / f"{SUMMARY}.json"),
-    )
 
 
 def _request(args: argparse.Namespace) -> tuple[RunRequest, bool]:

@@ -1,8 +1,8 @@
 """The pilot: every implementation path trained from the same weights, compared in MLflow.
 
 `uv run nox -s pilot [-- --steps 20 --ranks 2]` writes one seeded tiny dense and one tiny MoE
-Hugging Face checkpoint, then trains each pair of paths from it with `qwentitan-launch train`
-(same seed, data order, steps and world size): `hf` and `native` on the dense one,
+Hugging Face checkpoint, then trains each pair of paths from it as `qwentitan-launch train` would, planned and
+launched from this process (same seed, data order, steps and world size): `hf` and `native` on the dense one,
 `native-moe` and `moe-kernels` on the MoE one (torchtitan's experts in float32 on CPU, like the
 kernel experts). Each training is a child run of one MLflow parent in the `qwentitan-pilot`
 experiment; the parent gets each pair's per-step |loss difference|, its maximum, a PNG of all
@@ -33,9 +33,9 @@ from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR, Pair, PairR
 from qwentitan.launch.launcher.pilot.mesh import DEGREES, MESH, MESH_GLOBAL_BATCH, MESH_LOCAL_BATCH
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.launcher.plan import resolve_plan
-from qwentitan.launch.launcher.plan_cli import LAYOUT, request_argv
+from qwentitan.launch.launcher.plan_cli import LAYOUT
 from qwentitan.launch.launcher.request import RunRequest
-from qwentitan.launch.runtime.preemption import SignalForwarder
+from qwentitan.launch.launcher.supervisor import SignalForwarder, ranks_of
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
 from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
 
@@ -71,18 +71,6 @@ class Pilot:
         return not self.failed and all(result.passed for result in self.pairs)
 
 
-# What each child `train` is handed of the pilot's request (its recipe and run folder are its own).
-CHILD_FIELDS = (
-    "recipe",
-    "ranks_per_node",
-    *LAYOUT,
-    "seq_len",
-    "local_batch_size",
-    "steps",
-    "run_dir",
-)
-
-
 def pilot_request(**fields: object) -> RunRequest:
     """The children's common request: 20 steps on 2 ranks unless `fields` say otherwise."""
     first = next(iter(PAIRS.values())).recipes[0]
@@ -109,7 +97,7 @@ def run_pilot(
             local_batch_size=request.local_batch_size or MESH_LOCAL_BATCH,
         )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = Path(request.run_dir or Path("outputs") / "pilot" / stamp)
+    folder = Path(request.run_dir or Path("outputs") / "pilot" / stamp).absolute()
     children = {
         child: request.replace(recipe=recipe, run_dir=str(folder / child), **_placed(layout))
         for pair in chosen
@@ -210,45 +198,38 @@ def _train_children(
     lr: float,
     perturb: str | None,
 ) -> list[str]:
-    """Train every child `train` in turn (once, whatever the number of its pairs), each from
-    its pair's start; the failed ones. Signals reach the running child, and stop the pilot after
-    it (KeyboardInterrupt)."""
+    """Train every child in turn (once, whatever the number of its pairs), each from its pair's
+    start, as `train` does; the failed ones. Signals reach the running child's ranks, and stop
+    the pilot after it (KeyboardInterrupt)."""
     flavors = {child: pair.flavor for pair in chosen for child in pair.children}
     failed = []
-    with SignalForwarder(lambda child_pid: [child_pid], interrupting=True) as forwarder:
+    with SignalForwarder(ranks_of, interrupting=True) as forwarder:
         for child, request in children.items():
             start, said = _start(folder, flavors[child], seed, perturbed=child == perturb)
             overrides = [*start, _LR, f"{lr:g}", *child_overrides(uri, experiment, parent, child)]
             request = request.replace(overrides=(*overrides, *request.overrides))
             print(f"pilot: {child} ({request.recipe}) from {said}", flush=True)
-            handed = folder / f".{child}.prepared.json"
-            if not _prepare_child(request, handed):
+            if _train_child(request, forwarder) != 0:
                 failed.append(child)
-                continue
-            command = [sys.executable, "-m", "qwentitan.launch.launcher.cli", "train",
-                       "--prepared", str(handed)]  # fmt: skip
-            try:
-                if forwarder.run(command) != 0:
-                    failed.append(child)
-            finally:
-                handed.unlink(missing_ok=True)
     return failed
 
 
-def _prepare_child(request: RunRequest, path: Path) -> bool:
-    """Plan and check the child `train` of `request` here, where torchtitan is imported already,
-    and hand it over in `path` (`train --prepared`); a refusal is printed as that `train` says
-    it, and is False."""
-    from qwentitan.launch.launcher.cli import build_parser, error_sentence, user_errors
-    from qwentitan.launch.launcher.commands.train import prepare
+def _train_child(request: RunRequest, forwarder: SignalForwarder) -> int:
+    """Plan, check and train the child of `request` as `train` does, its ranks started under
+    `forwarder`; a refusal is printed as `train` says it, and is exit code 2."""
+    from qwentitan.launch.launcher.cli import user_errors
+    from qwentitan.launch.launcher.commands.train import plan_training, train_plan
+    from qwentitan.launch.launcher.plan_cli import flag_of
+    from qwentitan.launch.launcher.run_folder import check_run_folder
 
-    args = build_parser().parse_args(["train", *request_argv(request, CHILD_FIELDS)])
     try:
-        prepare(args).save(path)
+        check_run_folder(Path(request.run_dir or "."))
+        plan, said = plan_training(request, folder_given=True)
     except user_errors() as error:
-        print(f"qwentitan-launch train: {error_sentence(args, error)}", file=sys.stderr, flush=True)
-        return False
-    return True
+        sentence = error.phrased(flag_of) if isinstance(error, LaunchError) else error
+        print(f"qwentitan-launch train: {sentence}", file=sys.stderr, flush=True)
+        return 2
+    return train_plan(plan, said, supervise=forwarder.run)
 
 
 def _start(folder: Path, flavor: str | None, seed: int, *, perturbed: bool) -> tuple[list, str]:

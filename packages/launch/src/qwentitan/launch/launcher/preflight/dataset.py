@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qwentitan.launch.base.env_defaults import hub_offline
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.base.scoped_env import hub_offline
 from qwentitan.launch.launcher.plan import LaunchPlan
 from qwentitan.launch.launcher.preflight.report import CheckResult
 from qwentitan.launch.launcher.start import check_local_dataset
@@ -40,7 +40,7 @@ def first_batch_shape(plan: LaunchPlan) -> tuple[tuple[int, ...], str]:
     folder, which = _tokenizer_folder(plan)
     tokenizer = config.tokenizer.build(tokenizer_path=folder)
     loader = config.dataloader.build(
-        dp_world_size=plan.degrees.data_parallel_shard * plan.degrees.data_parallel_replicate,
+        dp_world_size=plan.batch_ranks,
         dp_rank=0,
         tokenizer=tokenizer,
         seq_len=plan.seq_len,
