@@ -33,9 +33,6 @@ from collections.abc import Iterator
 
 from qwentitan.launch.base import env_defaults
 
-# Set by torchrun's agent in the environment of every process it starts (torch.distributed.elastic).
-_TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
-
 # torchtitan's own entry point on every rank (`python -m torchtitan.train`); the recipe's
 # Trainer.Config builds our Trainer there.
 TRAIN_ENTRY = "torchtitan.train"
@@ -46,7 +43,9 @@ def leave_cleanly_after_training() -> None:
     ended well (see the module doc). Only in a process torchrun's agent started, whose exit code
     it reports as the rank's: a program that trains in its own process (a notebook, a script)
     keeps its own exit."""
-    if os.environ.get(_TORCHRUN_RUN_ID):
+    import torch.distributed
+
+    if torch.distributed.is_torchelastic_launched():
         atexit.register(_leave)
 
 
