@@ -1,29 +1,24 @@
 """torchtitan's Trainer on the platform it finds (CPU included), able to stop early and resume.
 
-One training step, as torchtitan 0.3.0's `Trainer.train()` runs it, unchanged; what qwentitan adds
-comes in through torchtitan's seams: the components the recipe's config names, and the Trainer
-methods torchtitan calls.
+Each training step is torchtitan 0.3.0's `Trainer.train()` loop, unchanged; what qwentitan adds
+enters at its seams, the components a recipe's config names and the hooks the loop calls:
 
-    while trainer.should_continue_training():  # at_step_boundary: --stop-after, a signal, a spot
-        step += 1                               #   notice or --stop-by's budget (agreed by every
-                                                #   rank) saves a full checkpoint and ends the run,
-                                                #   said in RUN_DIR/reports/stop.json
-        trainer.train_step(batches)             # torchtitan's forward, backward, clip, optimizer;
-                                                #   the first step timed apart (reports/
-                                                #   first_step.json, Neuron's CPU fallbacks), its
-                                                #   metrics to console, MLflow and the summary
-                                                #   (TrackedMetrics: no MFU without a known peak)
-        checkpointer.save(step)                 # GuardedCheckpointManager: timed for --stop-by;
-                                                #   a failure is one sentence, no partial step-N;
-                                                #   a load reads only a checked .metadata
-        validator.validate(model_parts, step)   # PausableValidator: skipped when a stop is pending
+    while trainer.should_continue_training():   # at_step_boundary: stop here? (below)
+        step += 1
+        trainer.train_step(batches)             # forward, backward, clip, optimizer, lr;
+                                                #   the first timed (reports/first_step.json)
+        checkpointer.save(step)                 # GuardedCheckpointManager: timed; a failure is
+                                                #   one sentence and leaves no partial step-N
+        validator.validate(model_parts, step)   # PausableValidator: skipped if a stop is pending
+    # metrics: TrackedMetrics (console, MLflow, summary; MFU only against a known peak)
 
-Around the loop, the Trainer: takes the Target and kernel choices from its config
-(`Trainer.Config.target` / `.lnc` / `.kernels`, from which the config builds the model spec),
-moves torchtitan's device globals to the platform's (`platforms.use_platform`, the one patch),
-gives a CPU model the weights one rank would draw whatever the layout (`whole_init`), makes FSDP
-reduce with SUM over gloo (`force_sum_reduction`), and ends a rank without torchtitan's closing
-sleep on one node and before the native teardown that can abort it (`rank_exit`). Importing it
+`at_step_boundary` ends a run with a full checkpoint at `--stop-after`, or, agreed by every rank,
+on a signal, a spot notice or a spent `--stop-by` budget, and says why in
+RUN_DIR/reports/stop.json. Before the loop the Trainer takes its Target, LNC and kernel choices
+from its config, moves torchtitan's device globals to the platform's (`platforms.use_platform`,
+the one patch), gives CPU model parts the weights one rank would draw (`whole_init`) and makes
+FSDP reduce with SUM over gloo; after it, a rank ends without torchtitan's closing sleep on one
+node and before the native teardown that can abort it (`rank_exit`). Importing this module
 quiets the console lines a user cannot act on (`console.quiet_console`).
 """
 
