@@ -181,3 +181,28 @@ def plans_in_this_process(monkeypatch):
     from qwentitan.launch.launcher import child
 
     monkeypatch.setattr(child, "in_child", lambda function, *args: function(*args))
+
+
+def guarded_manager(base_folder: Path, state: dict, **settings):
+    """A `GuardedCheckpointManager` (enabled) of one module holding `state`'s tensors as its
+    parameters, saving under `base_folder`/checkpoint, as the Trainer builds it."""
+    import torch
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    from qwentitan.launch.runtime.checkpointer import GuardedCheckpointManager
+
+    model = torch.nn.Module()
+    for name, tensor in state.items():
+        model.register_parameter(name, torch.nn.Parameter(tensor.clone()))
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    return GuardedCheckpointManager.Config(enable=True, **settings).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=LRSchedulersContainer.Config().build(
+            optimizers=optimizers, training_steps=10
+        ),
+        states={},
+        sd_adapter=None,
+        base_folder=str(base_folder),
+    )

@@ -18,12 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
 
-from qwentitan.launch.runtime.platforms import get_platform
-from qwentitan.launch.runtime.trainer import use_platform
+from qwentitan.launch.runtime.platforms import get_platform, use_platform
 from qwentitan.launch.runtime.whole_init import whole_init
 from qwentitan.modeling import model_spec
 from qwentitan.modeling.gloo_dispatch import GlooAllToAllTokenDispatcher
@@ -36,11 +34,6 @@ def initial_weights(
 ) -> dict[str, torch.Tensor]:
     spec = model_spec("tiny-dense")
     spec.model.update_from_config(config=SimpleNamespace(parallelism=parallelism))
-    if ours:
-        config = SimpleNamespace(
-            debug=DebugConfig(seed=SEED), model_spec=spec, training=TrainingConfig()
-        )
-        whole_init(config)
     with torch.device("meta"):
         model = spec.model.build()
     model = spec.parallelize_fn(
@@ -50,6 +43,8 @@ def initial_weights(
     model.to_empty(device="cpu")
     torch.manual_seed(SEED)  # what torchtitan's set_determinism gives every rank
     model.init_weights(buffer_device=None)
+    if ours:  # what qwentitan's Trainer then does on CPU
+        whole_init([model], spec.model, SEED, torch.float32)
     return {
         name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
         for name, p in model.named_parameters()

@@ -366,20 +366,24 @@ def test_a_checkpoint_with_per_rank_data_positions_is_one_sentence(capsys, in_tm
     )
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_the_ranks_load_only_a_checked_metadata(in_tmp, caplog):
     """torchtitan's own load in the ranks goes through the same allow-list first."""
-    from qwentitan.launch.runtime.trainer import checked_loads
+    from torchtitan.components.checkpoint import MODEL
 
-    loaded = []
-    load = checked_loads(lambda state, checkpoint_id, from_hf, *rest: loaded.append(checkpoint_id))
+    from .conftest import guarded_manager
+
+    manager = guarded_manager(in_tmp, {name: torch.zeros_like(t) for name, t in SMALL.items()})
+    model = manager.states[MODEL]
     good = save_checkpoint(in_tmp / "good", SMALL)
-    load({}, str(good), False, False)
-    assert loaded == [str(good)]
-    bad = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-1", SMALL)
+    manager.dcp_load(model.state_dict(), str(good), False, False)
+    assert torch.equal(model.state_dict()["w"], SMALL["w"])
+    bad = save_checkpoint(in_tmp / "run" / "checkpoint" / "step-1", {"w": SMALL["w"] + 1})
     _pickled_code(bad)
     with pytest.raises(SystemExit) as ended:
-        load({}, str(bad), False, False)
-    assert ended.value.code == 2 and loaded == [str(good)]
+        manager.dcp_load(model.state_dict(), str(bad), False, False)
+    manager.close()
+    assert ended.value.code == 2 and torch.equal(model.state_dict()["w"], SMALL["w"])
     assert not (in_tmp / "ran").exists()
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(said) == 1 and "posix.system is not allowed" in said[0]

@@ -8,7 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from qwentitan.launch.launcher.resume import saved_steps
-from qwentitan.launch.runtime.trainer import SAVE_FAILED_EXIT, guard_saves
+from qwentitan.launch.runtime.checkpointer import SAVE_FAILED_EXIT
+
+from .conftest import guarded_manager
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
@@ -16,18 +18,15 @@ def test_disk_full_during_a_save_removes_its_folder_and_says_why(tmp_path, caplo
     with small_tmpfs(tmp_path / "small", "1m") as small:
         folder = small / "checkpoint"
         dcp.save({"w": torch.ones(16)}, checkpoint_id=folder / "step-1")  # an earlier, whole save
-        state = {"w": torch.ones(1 << 20)}  # 4 MiB: more than the disk holds
-
-        def save(step: int, last_step: bool = False) -> bool:
-            dcp.save(state, checkpoint_id=folder / f"step-{step}")
-            return True
-
+        # 4 MiB of parameters: more than the disk holds
+        manager = guarded_manager(small, {"w": torch.ones(1 << 20)})
         with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as stopped:
-            guard_saves(save, folder)(2, last_step=True)
+            manager.save(2, last_step=True)
+        manager.close()
         assert stopped.value.code == SAVE_FAILED_EXIT
         assert sorted(p.name for p in folder.iterdir()) == ["step-1"]
         assert saved_steps(folder) == [1]  # what --resume (and torchtitan) would load
-        said = [r.getMessage() for r in caplog.records if r.module == "trainer"]
+        said = [r.getMessage() for r in caplog.records if r.module == "checkpointer"]
         assert len(said) == 1 and "\n" not in said[0], said
         assert re.fullmatch(
             rf"Saving the checkpoint {folder / 'step-2'} failed \((No space left on device|the "

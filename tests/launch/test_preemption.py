@@ -285,7 +285,7 @@ def test_reading_data_asks_whether_a_stop_is_overdue(tmp_path, monkeypatch):
 # A native teardown that aborts, as the rank's C++ teardown once did after a good end: libc's
 # abort() registered with on_exit, which runs after Python's exit handlers.
 _RANK_END = """
-import atexit, ctypes, sys
+import atexit, ctypes, os, sys
 from qwentitan.launch.runtime import rank_exit
 libc = ctypes.CDLL(None)
 libc.on_exit(ctypes.cast(libc.abort, ctypes.c_void_p), None)
@@ -302,10 +302,16 @@ atexit.register(print, "an earlier exit handler ran", flush=True)
         ("atexit.register(rank_exit._leave)", "", 0),
         # Its main raised after training: reported as before, the exit is not made good.
         ("atexit.register(rank_exit._leave)", "raise RuntimeError('the save failed')", -6),
+        # A process torchrun started, as the Trainer registers it after training.
+        (
+            "os.environ['TORCHELASTIC_RUN_ID'] = 'run'\nrank_exit.leave_cleanly_after_training()",
+            "",
+            0,
+        ),
         # Not a rank (a test or notebook training in its own process): its exit is its own.
         ("rank_exit.leave_cleanly_after_training()", "", -6),
     ],
-    ids=["ended-well", "main-raised", "not-a-rank"],
+    ids=["ended-well", "main-raised", "torchrun-rank", "not-a-rank"],
 )
 def test_a_rank_that_ended_well_leaves_before_the_native_teardown(register, end, returncode):
     script = _RANK_END.format(register=register, end=end)

@@ -148,13 +148,17 @@ class TestStopClock:
         assert 3590 < clock.deadline - time.time() <= 3600
 
 
-def test_only_saves_that_wrote_are_timed():
-    from qwentitan.launch.runtime.trainer import timed_saves
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
+def test_only_saves_that_wrote_are_timed(tmp_path):
+    import torch
 
-    seen: list[float] = []
-    save = timed_saves(lambda step, last_step=False: step % 2 == 0, seen.append)
-    assert save(1) is False and seen == []
-    assert save(2, last_step=True) is True and len(seen) == 1 and seen[0] >= 0
+    from .conftest import guarded_manager
+
+    manager = guarded_manager(tmp_path, {"w": torch.ones(4)}, interval=2)
+    assert manager.save(1) is False and manager.save_seconds == []
+    assert manager.save(2, last_step=True) is True and len(manager.save_seconds) == 1
+    assert manager.save_seconds[0] >= 0
+    manager.close()
 
 
 def test_the_summary_says_why_the_run_stopped():

@@ -15,6 +15,7 @@ from qwentitan.launch.base.target import (
     get_topology,
 )
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
+from qwentitan.launch.runtime.peak_flops import peak_flops
 from qwentitan.launch.runtime.platforms import get_platform
 from qwentitan.launch.tracking.summary import hourly_price
 
@@ -85,12 +86,12 @@ def test_sequence_rule_is_the_targets_everywhere():
 
 def test_each_kind_derives_ranks_memory_and_flops_from_its_stated_facts():
     trn2 = get_target("trn2.48xlarge")
-    assert (trn2.max_ranks(2), trn2.memory_per_rank(2, 64), trn2.peak_flops(2)) == (
+    assert (trn2.max_ranks(2), trn2.memory_per_rank(2, 64), peak_flops(trn2, 2)) == (
         64,
         24 * GIB,
         158e12,
     )
-    assert (trn2.max_ranks(1), trn2.memory_per_rank(1, 128), trn2.peak_flops(1)) == (
+    assert (trn2.max_ranks(1), trn2.memory_per_rank(1, 128), peak_flops(trn2, 1)) == (
         128,
         12 * GIB,
         79e12,
@@ -102,7 +103,7 @@ def test_each_kind_derives_ranks_memory_and_flops_from_its_stated_facts():
         8,
         80 * GIB,
     )
-    assert TARGETS["cpu"].peak_flops(1) is None
+    assert peak_flops(TARGETS["cpu"], 1) is None
 
 
 def test_prices_are_the_targets():

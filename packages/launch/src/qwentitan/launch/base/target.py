@@ -25,8 +25,8 @@ NeuronCore-v3 Tensor Engine delivers ... 79 BF16/FP16/TF32 TFLOPS"
 neuron-core-v3.html), so a rank at LNC 2 peaks at 158 TFLOPS. The chip page (trainium2.rst) gives
 667 BF16 TFLOPS for its 8 cores, about 83 per core, a figure for the whole chip rather than its
 Tensor Engines; MFU divides by the per-core Tensor Engine figure, as torchtitan's own
-tools/utils.py does. A GPU's peak comes from torchtitan's own table (`get_peak_flops`), by the
-device name the host reports.
+tools/utils.py does. A GPU's peak comes from torchtitan's own table, which the ranks read
+(`runtime.peak_flops`).
 """
 
 from __future__ import annotations
@@ -107,19 +107,6 @@ class Target:
     def seq_len_multiple(self, lnc: int) -> int:
         """What the sequence length must be a multiple of here (NEURON_SEQ_MULTIPLE on Neuron)."""
         return max(NEURON_SEQ_MULTIPLE, 128 * lnc) if self.device_type == "neuron" else 1
-
-    def peak_flops(self, lnc: int) -> float | None:
-        """Peak dense BF16 FLOP/s of one rank (LNC physical cores on Neuron); None on CPU."""
-        if self.flops_per_core is not None:
-            return self.flops_per_core * lnc
-        if self.device_type == "cuda":
-            import torch
-
-            if torch.cuda.is_available():
-                from torchtitan.tools.utils import get_peak_flops
-
-                return get_peak_flops(torch.cuda.get_device_name())
-        return None
 
     def check_lnc(self, lnc: int | None) -> int:
         """The LNC to use: `lnc`, or this kind's default; refused where the kind lacks it."""
@@ -325,8 +312,10 @@ class Topology:
 
     @property
     def peak_flops(self) -> float | None:
-        """Peak dense BF16 FLOP/s of one rank; the one figure MFU divides by."""
-        return self.target.peak_flops(self.lnc)
+        """Catalogued peak dense BF16 FLOP/s of one rank; None where the rank looks it up
+        (a host's GPUs: `runtime.peak_flops`) or none is published (CPU)."""
+        per_core = self.target.flops_per_core
+        return None if per_core is None else per_core * self.lnc
 
     @property
     def note(self) -> str | None:

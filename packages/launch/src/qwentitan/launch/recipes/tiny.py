@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.components.validate import Validator
 from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
@@ -24,8 +22,10 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from qwentitan.kernels import KernelChoices
 from qwentitan.launch.base.target import Target
 from qwentitan.launch.recipes import recipe_info
+from qwentitan.launch.runtime.checkpointer import GuardedCheckpointManager
 from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader, qwen_tokenizer_folder
 from qwentitan.launch.runtime.trainer import Trainer
+from qwentitan.launch.runtime.validator import PausableValidator
 from qwentitan.launch.tracking import tracked_metrics
 from qwentitan.modeling import get_flavor, model_spec
 
@@ -100,7 +100,7 @@ def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
             spmd_backend="partial_dtensor" if path == "hf" else "spmd_types",
         ),
         activation_checkpoint=None,  # tiny activations; recomputing them only costs time
-        checkpoint=CheckpointManager.Config(
+        checkpoint=GuardedCheckpointManager.Config(
             enable=True,
             interval=100,
             last_save_model_only=False,
@@ -109,7 +109,7 @@ def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
             # come before every one-sentence refusal of `train`.
             initial_load_model_only=False,
         ),
-        validator=Validator.Config(
+        validator=PausableValidator.Config(
             enable=True,
             freq=10,
             steps=2,

@@ -33,7 +33,6 @@ from dataclasses import fields
 from functools import partial
 from typing import Any
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -44,8 +43,10 @@ from qwentitan.kernels import KernelChoices
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.target import Target
 from qwentitan.launch.recipes import TRN2_RECIPES, recipe_info
+from qwentitan.launch.runtime.checkpointer import GuardedCheckpointManager, guarded
 from qwentitan.launch.runtime.data import OFFLINE, TextDataLoader
 from qwentitan.launch.runtime.trainer import Trainer
+from qwentitan.launch.runtime.validator import PausableValidator, pausable
 from qwentitan.launch.tracking import tracked_metrics
 
 __all__ = [
@@ -85,8 +86,11 @@ def _metrics(recipe: str):
 
 
 def _ours(config, model_for) -> Trainer.Config:
-    """Re-home a torchtitan Trainer.Config as ours (placement, preemption, early stop)."""
+    """Re-home a torchtitan Trainer.Config as ours (placement, preemption, early stop), with
+    qwentitan's checkpoint manager and validator."""
     given = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    given["checkpoint"] = guarded(config.checkpoint)
+    given["validator"] = pausable(config.validator)
     return Trainer.Config(**given, model_for=model_for)
 
 
@@ -97,9 +101,9 @@ def _loss(flavor: str) -> ChunkedLossWrapper.Config:
     return ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab))
 
 
-def _from_folder(folder: str, **settings: Any) -> CheckpointManager.Config:
+def _from_folder(folder: str, **settings: Any) -> GuardedCheckpointManager.Config:
     """Checkpoints on, the run starting from the model weights of the HF folder `folder`."""
-    return CheckpointManager.Config(
+    return GuardedCheckpointManager.Config(
         enable=True,
         initial_load_path=folder,
         initial_load_in_hf=True,
@@ -128,6 +132,7 @@ def qwen3_4b_hf() -> Trainer.Config:
         ),
         activation_checkpoint=FullAC.Config(),
         compile=CompileConfig(enable=False),
+        validator=PausableValidator.Config(),
         checkpoint=_from_folder(
             folder,
             interval=10,
@@ -199,5 +204,6 @@ def qwen3_8b_tp4_fsdp16_sac() -> Trainer.Config:
         parallelism=ParallelismConfig(data_parallel_shard_degree=-1, tensor_parallel_degree=4),
         activation_checkpoint=SelectiveAC.Config(),
         compile=CompileConfig(enable=False),
+        validator=PausableValidator.Config(),
         checkpoint=_from_folder(folder, interval=500, last_save_model_only=False),
     )

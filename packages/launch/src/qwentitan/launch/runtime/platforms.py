@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ __all__ = [
     "get_platform",
     "host_device",
     "host_target",
+    "use_platform",
 ]
 
 PLATFORM_NAMES = ("cpu", "cuda", "neuron")
@@ -207,6 +209,28 @@ def host_target() -> str:
     """The Target of this host: its device's (a Neuron host is taken as a trn2.48xlarge)."""
     device = host_device()
     return NEURON_TARGET if device == "neuron" else device
+
+
+def use_platform(platform: Platform) -> None:
+    """Make every loaded torchtitan module use `platform`'s device type and device module.
+
+    The one patch qwentitan applies to torchtitan: torchtitan 0.3.0 has no seam for its device.
+    It binds `device_type, device_module = get_device_info()` once, in `torchtitan.tools.utils`,
+    and modules such as `components.metrics`, `distributed.utils` and
+    `distributed.parallel_dims` import those two names by value; on a host without an
+    accelerator that value is ("cuda", torch.cuda). So each loaded module holding the stale pair
+    is rebound here, before the Trainer builds anything.
+    """
+    from torchtitan.tools import utils
+
+    stale = {"device_type": utils.device_type, "device_module": utils.device_module}
+    fresh = {"device_type": platform.device_type, "device_module": platform.device_module}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan") and module is not None:
+            namespace = vars(module)
+            for key, value in stale.items():
+                if key in namespace and namespace[key] is value:
+                    namespace[key] = fresh[key]
 
 
 # One per process, so the peak RSS it samples is shared by every caller.

@@ -14,11 +14,12 @@ Rarely, a rank that had trained, saved its checkpoint, closed the trainer and de
 process group then died of SIGABRT while the interpreter tore down: "terminate called without an
 active exception", no Python frame (a C++ thread object destroyed while still joinable; seen once
 in the 857 rank logs torchrun left on the development machine, torch 2.14.1 over gloo, rank 1
-of 2 while rank 0 was in torchtitan's 2 s end-of-training sleep). torchrun then reports the rank as failed and the run as
-failed, after everything was written. So a rank whose training ended well runs Python's exit
-handlers (logging's flush, torch's compile-worker shutdown, ...) and then leaves with exit code
-0 without the native teardown. Where training or the teardown in torchtitan's `main` raised,
-nothing changes: Python reports it and exits 1 as before.
+of 2 while rank 0 was in torchtitan's 2 s end-of-training sleep). torchrun then reports the rank
+as failed and the run as failed, after everything was written. So a rank torchrun started whose
+training ended well runs Python's exit handlers (logging's flush, torch's compile-worker
+shutdown, ...) and then leaves with exit code 0 without the native teardown. Where training or
+the teardown in torchtitan's `main` raised, nothing changes: Python reports it and exits 1 as
+before.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ TRAIN_ENTRY = "torchtitan.train"
 
 def leave_cleanly_after_training() -> None:
     """Called when `Trainer.train()` returned: at exit, skip the native teardown if the rank
-    ended well (see the module doc). Only in a rank process (`-m torchtitan.train`): a test or
-    notebook that trains in its own process keeps its own exit."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if getattr(main_spec, "name", None) == TRAIN_ENTRY:
+    ended well (see the module doc). Only in a process torchrun's agent started, whose exit code
+    it reports as the rank's: a program that trains in its own process (a notebook, a script)
+    keeps its own exit."""
+    import torch.distributed
+
+    if torch.distributed.is_torchelastic_launched():
         atexit.register(_leave)
 
 
@@ -55,7 +58,9 @@ def _leave() -> None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return
     atexit.unregister(_leave)
-    atexit._run_exitfuncs()  # the handlers registered before this one, newest first
+    # The handlers registered before this one, newest first, as the interpreter would run them:
+    # Python has no public call for that, and os._exit below skips them otherwise.
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -77,8 +82,12 @@ class _TimeWithoutSleep:
 def without_the_closing_sleep() -> Iterator[None]:
     """While torchtitan's `Trainer.train()` runs on ranks that are all on one node (torchrun's
     WORLD_SIZE equal to its LOCAL_WORLD_SIZE), its module's `time` sleeps no more (see the
-    module doc); `train()` has no other sleep and its timers are the time module's. The one
-    place besides `trainer.use_platform` where qwentitan rebinds a torchtitan global."""
+    module doc); `train()` has no other sleep and its timers are the time module's.
+
+    Besides `platforms.use_platform`, the one place qwentitan rebinds a torchtitan global, for
+    the length of `train()`: torchtitan has no seam for this sleep (it is inline at the end of
+    `train()`, after the loop), and the alternative, a copy of `train()`'s loop, would drift from
+    torchtitan's."""
     from torchtitan import trainer
 
     if env_defaults.world_size() != env_defaults.local_world_size():

@@ -1,47 +1,53 @@
-"""torchtitan's Trainer, made to run on the platform it finds (CPU included): the thin glue.
+"""torchtitan's Trainer on the platform it finds (CPU included), able to stop early and resume.
 
-Each training step is torchtitan's `Trainer.train()` loop, unchanged; this module adds only what
-torchtitan 0.3.0 lacks, one place each: the machine kind and kernel choices as config fields
-(`Trainer.Config.target` / `.lnc` / `.kernels`, from which the config builds its model), the
-platform's device module (`use_platform`), SUM reductions for gloo (`force_sum_reduction`), the
-step boundary where a run stops early with a checkpoint (`Trainer.at_step_boundary`: `--stop-after`,
-a signal, the `--stop-by` budget, a spot notice, each said in RUN_DIR/reports/stop.json), loads
-only of a checked `.metadata` (`checked_loads`), saves that fail in one sentence and leave no
-partial step (`guard_saves`), and the first step timed apart with, on Neuron, the ops
-TorchNeuron ran on the CPU (`Trainer.train_step`, RUN_DIR/reports/first_step.json), and a rank's
-end without torchtitan's 2 s closing sleep (on one node) and before the native teardown that can
-abort it (`rank_exit`). Importing it quiets the console lines a user cannot act on
-(`console.quiet_console`).
+Each training step is torchtitan 0.3.0's `Trainer.train()` loop, unchanged; what qwentitan adds
+enters at its seams, the components a recipe's config names and the hooks the loop calls:
+
+    while trainer.should_continue_training():   # at_step_boundary: stop here? (below)
+        step += 1
+        trainer.train_step(batches)             # forward, backward, clip, optimizer, lr;
+                                                #   the first timed (reports/first_step.json)
+        checkpointer.save(step)                 # GuardedCheckpointManager: timed; a failure is
+                                                #   one sentence and leaves no partial step-N
+        validator.validate(model_parts, step)   # PausableValidator: skipped if a stop is pending
+    # metrics: TrackedMetrics (console, MLflow, summary; MFU only against a known peak)
+
+`at_step_boundary` ends a run with a full checkpoint at `--stop-after`, or, agreed by every rank,
+on a signal, a spot notice or a spent `--stop-by` budget, and says why in
+RUN_DIR/reports/stop.json. Before the loop the Trainer takes its Target, LNC and kernel choices
+from its config, moves torchtitan's device globals to the platform's (`platforms.use_platform`,
+the one patch), gives CPU model parts the weights one rank would draw (`whole_init`) and makes
+FSDP reduce with SUM over gloo; after it, a rank ends without torchtitan's closing sleep on one
+node and before the native teardown that can abort it (`rank_exit`). Importing this module
+quiets the console lines a user cannot act on (`console.quiet_console`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
-import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import tyro
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torchtitan import trainer as torchtitan_trainer
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols.model_spec import ModelSpec
-from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
 from qwentitan.kernels import KernelChoices
 from qwentitan.kernels.env import kernel_choices_text
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.target import Target, get_target
+from qwentitan.launch.runtime.checkpointer import GuardedCheckpointManager
 from qwentitan.launch.runtime.console import quiet_console
 from qwentitan.launch.runtime.neuron_runtime import report_fallback_ops
-from qwentitan.launch.runtime.platforms import Platform, get_platform, host_target
+from qwentitan.launch.runtime.peak_flops import peak_flops
+from qwentitan.launch.runtime.platforms import Platform, get_platform, host_target, use_platform
 from qwentitan.launch.runtime.preemption import (
     DEADLINE,
     SPOT_NOTICE,
@@ -54,51 +60,18 @@ from qwentitan.launch.runtime.rank_exit import (
 )
 from qwentitan.launch.runtime.spot import SpotWatcher, describe_notice, start_watching
 from qwentitan.launch.runtime.stop_clock import StopClock, state_bytes
+from qwentitan.launch.runtime.validator import PausableValidator
 from qwentitan.launch.runtime.whole_init import whole_init
 from qwentitan.launch.tracking.logger import FIRST_STEP, attach_report
 from qwentitan.launch.tracking.store import STOP
 
-__all__ = [
-    "Trainer",
-    "checked_loads",
-    "force_sum_reduction",
-    "guard_saves",
-    "timed_saves",
-    "use_platform",
-]
+__all__ = ["Trainer", "force_sum_reduction"]
 
 # Before torchtitan builds a rank's config and Trainer (the recipe module imports this one).
 quiet_console()
 
 # A recipe's model for a Target and kernel choices (`Trainer.Config.model_for`).
 ModelFor = Callable[[Target, KernelChoices], ModelSpec]
-
-# Exit code of a rank whose checkpoint could not be written: a fault of the environment.
-SAVE_FAILED_EXIT = 2
-# Less free space than this after a failed save: the disk filled up (whatever the error says).
-FULL_DISK_BYTES = 2**20
-
-
-def use_platform(platform: Platform) -> None:
-    """Make every torchtitan module use `platform`'s device type and device module.
-
-    torchtitan binds `device_type, device_module = get_device_info()` once, in
-    `torchtitan.tools.utils`, and modules such as `components.metrics`, `distributed.utils` and
-    `distributed.parallel_dims` import those two names by value. On a host without an
-    accelerator that value is ("cuda", torch.cuda), so each loaded module holding the stale
-    pair is rebound here. Besides `rank_exit.without_the_closing_sleep`, the only place
-    qwentitan touches torchtitan's globals.
-    """
-    from torchtitan.tools import utils
-
-    stale = {"device_type": utils.device_type, "device_module": utils.device_module}
-    fresh = {"device_type": platform.device_type, "device_module": platform.device_module}
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torchtitan") and module is not None:
-            namespace = vars(module)
-            for key, value in stale.items():
-                if key in namespace and namespace[key] is value:
-                    namespace[key] = fresh[key]
 
 
 def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
@@ -114,92 +87,6 @@ def force_sum_reduction(model_parts: list[torch.nn.Module]) -> int:
                 module.set_force_sum_reduction_for_comms(True)
                 switched += 1
     return switched
-
-
-def save_failure(step_folder: Path | str, error: BaseException) -> str:
-    """One sentence for a failed save of `step_folder` (call before removing the folder; a URL
-    on S3 has no disk to be full)."""
-    causes = [error]
-    if isinstance(error, CheckpointException):
-        causes = [failure for failure, _trace in error.failures.values()] or causes
-    cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
-    remote = filesystem.is_remote(step_folder)
-    free = None if remote else shutil.disk_usage(_existing(Path(step_folder))).free
-    parent = str(step_folder).rsplit("/", 1)[0] if remote else Path(step_folder).parent
-    if isinstance(cause, OSError) and cause.strerror:
-        reason = cause.strerror
-    elif free is not None and free < FULL_DISK_BYTES:
-        # torch.save's zip writer turns a short write (ENOSPC) into "unexpected pos" errors.
-        reason = f"the disk is full, {free} bytes left"
-    else:
-        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-    return (
-        f"Saving the checkpoint {step_folder} failed ({reason}); its partial folder was removed, "
-        f"so --resume continues from the previous checkpoint: free space in {parent} "
-        "or choose another run folder, then resume."
-    )
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def checked_loads(dcp_load: Callable[..., Any]) -> Callable[..., Any]:
-    """torchtitan's `CheckpointManager.dcp_load`, run only on a DCP folder whose `.metadata`
-    qwentitan.checkpoint's `SafeFileSystemReader` has read (an allow-list unpickler): torch's
-    own reader, which torchtitan's load uses, unpickles it with `pickle.load`, which runs any
-    code the file names. The launcher checks the same file before the ranks start; this covers
-    loads it does not see (`--checkpoint.initial_load_path`, a file changed since). A refused
-    file ends the rank in one sentence (exit 2)."""
-
-    def checked(state_dict: Any, checkpoint_id: str, from_hf: bool, *args: Any, **kwargs: Any):
-        if not from_hf:  # an HF folder is safetensors, which hold no code
-            from qwentitan.checkpoint import CheckpointError, safe_reader_for
-
-            try:
-                safe_reader_for(checkpoint_id).read_metadata()  # local, or remote (s3://) by fsspec
-            except CheckpointError as error:
-                logger.error(f"Not loading the checkpoint {checkpoint_id}: {error}")
-                raise SystemExit(2) from None  # a fault of the input, said in one sentence
-        return dcp_load(state_dict, checkpoint_id, from_hf, *args, **kwargs)
-
-    return checked
-
-
-def guard_saves(save: Callable[..., Any], folder: str | Path) -> Callable[..., Any]:
-    """`save(step, ...)` that, when it fails, removes `folder/step-N` and exits the rank
-    (code SAVE_FAILED_EXIT) with one sentence instead of a traceback per rank."""
-
-    def guarded(step: int, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return save(step, *args, **kwargs)
-        except (Exception, CheckpointException) as error:
-            step_folder = filesystem.join(str(folder), f"step-{step}")  # a path, or a URL
-            # DCP raises on every rank after all of them stopped writing; one removes the folder.
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                message = save_failure(step_folder, error)
-                with contextlib.suppress(OSError):
-                    filesystem.rmtree(step_folder)
-                logger.error(message)
-            raise SystemExit(SAVE_FAILED_EXIT) from None
-
-    return guarded
-
-
-def timed_saves(save: Callable[..., Any], on_saved: Callable[[float], None]) -> Callable[..., Any]:
-    """`save(step, ...)` that reports the seconds of each save that wrote a checkpoint (the
-    `--stop-by` budget; with an async checkpoint mode that is the staging time only)."""
-
-    def timed(step: int, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        wrote = save(step, *args, **kwargs)
-        if wrote:
-            on_saved(time.perf_counter() - start)
-        return wrote
-
-    return timed
 
 
 class Trainer(torchtitan_trainer.Trainer):
@@ -259,6 +146,7 @@ class Trainer(torchtitan_trainer.Trainer):
             return config
 
     config: Config
+    checkpointer: GuardedCheckpointManager
     target: Target
     platform: Platform
     preemption: PreemptionWatch
@@ -276,34 +164,24 @@ class Trainer(torchtitan_trainer.Trainer):
         self.preemption = PreemptionWatch().install()
         if env_defaults.local_rank() == 0:  # one watcher per node; the all-reduce tells the rest
             self.spot = start_watching(self._on_spot_notice)
+        peak = peak_flops(self.target, lnc)  # the one place a rank decides its peak
+        metrics = dataclasses.replace(config.metrics, peak_flops=peak)
+        super().__init__(dataclasses.replace(config, metrics=metrics))
         if self.target.device_type == "cpu":  # DTensor cannot split a random init there
-            whole_init(config)
-        super().__init__(config)
+            dtype = TORCH_DTYPE_MAP[config.training.dtype]
+            whole_init(self.model_parts, self.model_config, config.debug.seed, dtype)
         # On a full disk torchtitan's structured logger (a file in the run folder) fails too, and
         # Python's logging would print a traceback per record; the failed save's sentence says why.
         logging.raiseExceptions = False
-        if self.checkpointer.enable:
-            # The manager is built from the recipe's own config (any checkpointer class), so its
-            # save is wrapped here rather than subclassed in every recipe.
-            self.checkpointer.save = timed_saves(
-                guard_saves(self.checkpointer.save, self.checkpointer.folder), self._saved
-            )
-            self.checkpointer.dcp_load = checked_loads(self.checkpointer.dcp_load)
         if config.stop_by:
             self.clock = self._start_clock(config.stop_by)
-        validator = getattr(self, "validator", None)
-        if validator is not None and getattr(validator, "validate", None) is not None:
-            validator.validate = self._unless_stopping(validator.validate)
+        if isinstance(getattr(self, "validator", None), PausableValidator):
+            self.validator.pause_when(self._stopping)
         if self.target.backend == "gloo":
             force_sum_reduction(self.model_parts)
-        peak = self.target.peak_flops(lnc)  # the one place a rank decides its peak
         if peak is not None:
-            self.metrics_processor.gpu_peak_flops = peak
             logger.info(f"MFU against {peak:.3e} peak FLOP/s per rank.")
         else:
-            # No published peak here (CPU): torchtitan's only switch that drops MFU from the
-            # console and the loggers is `has_quantization`, so MFU reads "N/A", never a guess.
-            self.metrics_processor.has_quantization = True
             logger.info(f"MFU: n/a on {self.platform.name} (no published peak FLOP/s).")
 
     def _start_clock(self, stop_by: str) -> StopClock:
@@ -316,28 +194,26 @@ class Trainer(torchtitan_trainer.Trainer):
         )
         return clock
 
-    def _saved(self, seconds: float) -> None:
-        if self.clock is not None:
-            self.clock.saved(seconds)
-            logger.info(f"The save took {seconds:.2f} s: the --stop-by budget now counts that.")
+    def _take_save_times(self) -> None:
+        """Count the saves timed since the last call in the `--stop-by` budget."""
+        times = getattr(self.checkpointer, "save_seconds", None)
+        while times:
+            seconds = times.pop(0)
+            if self.clock is not None:
+                self.clock.saved(seconds)
+                logger.info(f"The save took {seconds:.2f} s: the --stop-by budget now counts that.")
 
     def _on_spot_notice(self, text: str) -> None:
         """From the watcher's thread: only the flag a signal would set, and one line."""
         self.preemption.request(SPOT_NOTICE)
         logger.warning(f"Spot interruption notice ({describe_notice(text)}): saving and stopping.")
 
-    def _unless_stopping(self, validate: Callable[..., Any]) -> Callable[..., Any]:
-        """`validate` skipped when a stop is pending on any rank (a signal, a spot notice, the
-        `--stop-by` budget), so the checkpoint at the step boundary right after it comes first."""
-
-        def guarded(model_parts: Any, step: int, *args: Any, **kwargs: Any) -> Any:
-            self._check_clock()  # a validation that would cross --stop-by's budget is skipped
-            if self.preemption.stop_requested(self.device) is None:
-                return validate(model_parts, step, *args, **kwargs)
-            logger.info(f"Validation of step {step} skipped: a stop signal is pending.")
-            return None
-
-        return guarded
+    def _stopping(self) -> bool:
+        """Whether a stop is pending on any rank (a signal, a spot notice, the `--stop-by`
+        budget, which a validation that would cross it trips): the validator's pause."""
+        self._take_save_times()
+        self._check_clock()
+        return self.preemption.stop_requested(self.device) is not None
 
     def train_step(self, data_iterator) -> None:
         if self.first_step_done:
@@ -383,6 +259,7 @@ class Trainer(torchtitan_trainer.Trainer):
 
     def at_step_boundary(self) -> bool:
         """Run between two steps (after checkpoint and validation); False ends training."""
+        self._take_save_times()  # before the boundary: a save's time is no step's
         if self.clock is not None:
             self.clock.boundary()
         if self.step >= self.config.training.steps:
@@ -392,14 +269,8 @@ class Trainer(torchtitan_trainer.Trainer):
             return True
         interval_saved = self.step % self.config.checkpoint.interval == 0
         if self.config.checkpoint.enable and not interval_saved:
-            # `last_step=True` saves now, whatever the interval; the full state (model,
-            # optimizer, lr schedule, data position, step) is kept, since this is not the end.
-            model_only = self.checkpointer.last_save_model_only
-            self.checkpointer.last_save_model_only = False
-            try:
-                self.checkpointer.save(self.step, last_step=True)
-            finally:
-                self.checkpointer.last_save_model_only = model_only
+            self.checkpointer.save_full(self.step)  # not the end: a later run resumes from it
+            self._take_save_times()
         logger.info(f"Stopping after step {self.step}: {reason}.")
         self._report_stop(reason)
         return False

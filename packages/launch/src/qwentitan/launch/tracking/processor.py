@@ -4,8 +4,9 @@ A recipe opts in with `metrics=TrackedMetrics.Config(mlflow=MLflowLogger.Config(
 path=...))`. The processor adds an `MLflowLogger` to torchtitan's `LoggerContainer` on the
 metrics rank only (the one torchtitan picks: rank 0, or the last pipeline stage's first rank),
 logs every step by default, writes the end-of-run summary (`SummaryLogger`, MLflow on or
-off), and adds what torchtitan leaves out: process RSS, and MFU from the
-platform's peak, with no MFU at all where no peak is known (CPU).
+off), and adds what torchtitan leaves out: process RSS, and MFU from the peak its Config holds
+(`peak_flops`, which qwentitan's Trainer sets from its Target), with no MFU at all where no peak
+is known (CPU).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import psutil
 import torch
+import tyro
 from torchtitan.components.metrics import (
     BaseLogger,
     LoggerContainer,
@@ -53,17 +55,23 @@ class TrackedMetrics(MetricsProcessor):
 
         mlflow: MLflowLogger.Config = field(default_factory=MLflowLogger.Config)
 
+        peak_flops: Annotated[float | None, tyro.conf.Suppress] = None
+        """Peak dense BF16 FLOP/s of one rank, which MFU divides by; None: no published peak
+        (CPU), so no MFU. Set by qwentitan's Trainer from its Target, not by the recipe."""
+
     config: Config
     mlflow: MLflowLogger | None
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.mlflow = None
         self.summary_logger: SummaryLogger | None = None
-        super().__init__(config, **kwargs)
-        # qwentitan's Trainer then sets its Target's peak (or drops MFU where none is known);
-        # until then torchtitan's guess (an A100 on CPU) is not used: NaN makes MFU NaN, which
-        # MLflowLogger leaves out.
-        self.gpu_peak_flops = math.nan
+        # torchtitan leaves MFU out (console "N/A", no metric) only for its `has_quantization`
+        # argument: a BF16 peak would mislead there. With no peak at all it would divide by its
+        # guess (an A100 on CPU), so no peak is the same case.
+        no_mfu = kwargs.pop("has_quantization", False) or config.peak_flops is None
+        super().__init__(config, has_quantization=no_mfu, **kwargs)
+        # torchtitan's constructor takes no peak; it looks one up by the device's name.
+        self.gpu_peak_flops = math.nan if config.peak_flops is None else config.peak_flops
         self._process = psutil.Process()
 
     def _build_metric_logger(

@@ -1,0 +1,129 @@
+"""`GuardedCheckpointManager`: torchtitan's DCP `CheckpointManager`, with saves that fail in one
+sentence and loads only of a checked `.metadata`.
+
+A recipe sets `checkpoint=GuardedCheckpointManager.Config(...)` (same fields as torchtitan's);
+the manager then, through torchtitan's own hooks (`_save`, `dcp_load`):
+
+- times each save that wrote a checkpoint (`save_seconds`, which the Trainer's `--stop-by`
+  budget reads; with an async checkpoint mode that is the staging time only);
+- ends the rank (exit code SAVE_FAILED_EXIT) with one sentence when a save fails, after
+  removing its partial `step-N` folder, instead of a traceback per rank;
+- loads a DCP folder only after qwentitan.checkpoint's `SafeFileSystemReader` (an allow-list
+  unpickler) read its `.metadata`: torch's own reader unpickles it with `pickle.load`, which runs
+  any code the file names. The launcher checks the same file before the ranks start; this covers
+  loads it does not see (`--checkpoint.initial_load_path`, a file changed since). A refused file
+  ends the rank in one sentence (exit 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.tools import filesystem
+from torchtitan.tools.logging import logger
+
+__all__ = ["SAVE_FAILED_EXIT", "GuardedCheckpointManager", "guarded", "save_failure"]
+
+# Exit code of a rank whose checkpoint could not be written: a fault of the environment.
+SAVE_FAILED_EXIT = 2
+# Less free space than this after a failed save: the disk filled up (whatever the error says).
+FULL_DISK_BYTES = 2**20
+
+
+class GuardedCheckpointManager(CheckpointManager):
+    """torchtitan's DCP checkpoint manager: timed, guarded saves; checked loads."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass  # torchtitan's fields; its own class, so that `build()` makes this manager
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        self.save_seconds: list[float] = []
+        """Seconds of each save that wrote a checkpoint, oldest first (the reader empties it)."""
+        super().__init__(config, **kwargs)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        start = time.perf_counter()
+        try:
+            wrote = super()._save(curr_step, last_step)
+        except (Exception, CheckpointException) as error:
+            step_folder = filesystem.join(str(self.folder), f"step-{curr_step}")  # a path, or a URL
+            # DCP raises on every rank after all of them stopped writing; one removes the folder.
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                message = save_failure(step_folder, error)
+                with contextlib.suppress(OSError):
+                    filesystem.rmtree(step_folder)
+                logger.error(message)
+            raise SystemExit(SAVE_FAILED_EXIT) from None
+        if wrote:
+            self.save_seconds.append(time.perf_counter() - start)
+        return wrote
+
+    def save_full(self, step: int) -> bool:
+        """Save now, whatever the interval, the full state (model, optimizer, lr schedule, data
+        position, step) even where the last save keeps the model only: a stop before the last
+        step, which a later run resumes from."""
+        model_only = self.last_save_model_only
+        self.last_save_model_only = False
+        try:
+            return self.save(step, last_step=True)
+        finally:
+            self.last_save_model_only = model_only
+
+    def dcp_load(
+        self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool
+    ) -> None:
+        if not from_hf:  # an HF folder is safetensors, which hold no code
+            from qwentitan.checkpoint import CheckpointError, safe_reader_for
+
+            try:
+                safe_reader_for(checkpoint_id).read_metadata()  # local, or remote (s3://) by fsspec
+            except CheckpointError as error:
+                logger.error(f"Not loading the checkpoint {checkpoint_id}: {error}")
+                raise SystemExit(2) from None  # a fault of the input, said in one sentence
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+def guarded(config: CheckpointManager.Config) -> GuardedCheckpointManager.Config:
+    """`config` (torchtitan's own recipe's, say) as a `GuardedCheckpointManager.Config`."""
+    return GuardedCheckpointManager.Config(
+        **{f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    )
+
+
+def save_failure(step_folder: Path | str, error: BaseException) -> str:
+    """One sentence for a failed save of `step_folder` (call before removing the folder; a URL
+    on S3 has no disk to be full)."""
+    causes = [error]
+    if isinstance(error, CheckpointException):
+        causes = [failure for failure, _trace in error.failures.values()] or causes
+    cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
+    remote = filesystem.is_remote(step_folder)
+    free = None if remote else shutil.disk_usage(_existing(Path(step_folder))).free
+    parent = str(step_folder).rsplit("/", 1)[0] if remote else Path(step_folder).parent
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    elif free is not None and free < FULL_DISK_BYTES:
+        # torch.save's zip writer turns a short write (ENOSPC) into "unexpected pos" errors.
+        reason = f"the disk is full, {free} bytes left"
+    else:
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return (
+        f"Saving the checkpoint {step_folder} failed ({reason}); its partial folder was removed, "
+        f"so --resume continues from the previous checkpoint: free space in {parent} "
+        "or choose another run folder, then resume."
+    )
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
