@@ -310,6 +310,74 @@ def test_partial_output_of_a_killed_run_is_removed_by_the_next(make_hf, capsys, 
     assert leftovers(tmp_path, "out") == [alive.name] and other.is_dir()
 
 
+def test_only_this_tools_own_partial_outputs_are_removed(make_hf, capsys, tmp_path):
+    """A name beside the destination that merely starts like a partial output is the user's."""
+    src = make_hf()
+    dead = tmp_path / ".out.partial-4194305-0a1b2c3d"  # above Linux's largest pid: no writer
+    dead.mkdir()
+    (dead / "x.distcp").write_bytes(b"x")
+    users = [tmp_path / ".out.partial-backup", tmp_path / ".out.partial-12-backup"]
+    for folder in users:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    as_file = tmp_path / ".out.partial-4194305-0a1b2c3e"  # the tool only ever makes folders
+    as_file.write_text("mine")
+
+    code, err = run_cli(capsys, "to-dcp", src, tmp_path / "out")
+    assert code == 0 and (tmp_path / "out" / ".metadata").is_file(), err
+    assert "removed 1 partial output(s)" in err and dead.name in err
+    assert not dead.exists()
+    assert all((f / "notes.txt").read_text() == "mine" for f in users)
+    assert as_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("verb", ["to-dcp", "to-hf"])
+def test_two_writers_into_one_new_folder_cannot_both_succeed(
+    make_hf, capsys, tmp_path, monkeypatch, verb
+):
+    """Another writer finishes `out` while this one runs: this one fails, theirs is kept."""
+    src = source_for(verb, make_hf(moe=True), tmp_path)
+    dst = tmp_path / "out"
+    convert = to_dcp if verb == "to-dcp" else to_hf
+    real, first = output._sync_tree, {}
+
+    def the_other_writer_finishes_first(folder: Path) -> None:
+        real(folder)
+        if not first:  # this writer's; the other writer's own call comes through here too
+            first["started"] = True
+            first["ino"] = convert(src, dst).stat().st_ino
+            first["files"] = snapshot(dst)
+
+    monkeypatch.setattr(output, "_sync_tree", the_other_writer_finishes_first)
+    code, err = run_cli(capsys, verb, src, dst)
+    assert code == 2
+    assert f"destination {dst} was created by another writer while this one ran" in one_sentence(
+        err
+    )
+    assert dst.stat().st_ino == first["ino"] and snapshot(dst) == first["files"]
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_overwrite_checks_the_destination_again_at_the_rename(
+    make_hf, capsys, tmp_path, monkeypatch
+):
+    """With --overwrite, what another writer put at the destination meanwhile is replaced only
+    if it is a checkpoint of the same kind."""
+    src, dst = make_hf(), tmp_path / "out"
+    real = output._sync_tree
+
+    def a_user_folder_appears(folder: Path) -> None:
+        real(folder)
+        dst.mkdir(exist_ok=True)
+        (dst / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(output, "_sync_tree", a_user_folder_appears)
+    code, err = run_cli(capsys, "to-dcp", src, dst, "--overwrite")
+    assert code == 2 and "--overwrite replaces only a DCP checkpoint folder" in one_sentence(err)
+    assert sorted(p.name for p in dst.iterdir()) == ["notes.txt"]
+    assert leftovers(tmp_path, "out") == []
+
+
 @pytest.mark.slow
 def test_sigterm_during_overwrite_keeps_the_old_checkpoint(make_hf, tmp_path):
     src = make_hf()

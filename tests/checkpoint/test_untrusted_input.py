@@ -155,3 +155,18 @@ def test_to_dcp_takes_a_tied_config_with_the_embedding_as_head(make_hf, helpers,
     assert config["tie_word_embeddings"] is True
     titan = helpers.load_dcp(tmp_path / "dcp")
     assert torch.equal(titan["lm_head.weight"], titan["tok_embeddings.weight"])
+
+
+def test_to_hf_drops_auto_map_and_says_so(make_hf, capsys, tmp_path):
+    """An `auto_map` naming a Hub repository would make a later `trust_remote_code=True` load
+    fetch and run that code: the export, transformers' own Qwen3, goes without it."""
+    src = make_hf()
+    config = json.loads((src / "config.json").read_text())
+    auto_map = {"AutoModelForCausalLM": "evil/repo--modeling_evil.EvilForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config | {"auto_map": auto_map}))
+    to_dcp(src, tmp_path / "dcp")
+    assert main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "note: dropped auto_map from the exported config.json" in err
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "auto_map" not in exported and exported == config

@@ -11,6 +11,7 @@ import gzip
 import logging
 import os
 import pickle
+import signal
 from pathlib import Path
 
 import pytest
@@ -129,8 +130,27 @@ BAD_LINES = [
     ((GOOD + "[1, 2]\n").encode(), 2, "has no `text` string"),
     (GOOD.encode() * 4 + '{"text": "caf\xe9"}\n'.encode("latin-1"), 5, "is not UTF-8 (byte 14"),
     (b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00\x00" * 8, 1, "is not UTF-8 (byte 9 of the line)"),
+    (
+        (GOOD + '{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n").encode(),
+        2,
+        "nests deeper than Python's JSON reader goes",
+    ),
+    (
+        (GOOD * 2 + '{"text": "a", "n": ' + "9" * 5000 + "}\n").encode(),
+        3,
+        "is not JSON Python can read (Exceeds the limit (4300 digits) for integer string",
+    ),
 ]
-BAD_LINE_IDS = ["broken-json", "no-text", "text-not-a-string", "not-an-object", "latin-1", "binary"]
+BAD_LINE_IDS = [
+    "broken-json",
+    "no-text",
+    "text-not-a-string",
+    "not-an-object",
+    "latin-1",
+    "binary",
+    "nested-100k-deep",
+    "5000-digit-integer",
+]
 
 
 @pytest.mark.parametrize(("content", "line", "words"), BAD_LINES, ids=BAD_LINE_IDS)
@@ -190,6 +210,54 @@ def test_an_empty_or_unreadable_dataset_file(capsys, in_tmp):
     truncated = damaged(in_tmp, "cut.jsonl.gz", gzip.compress(GOOD.encode() * 100)[:-12])
     assert refusal(capsys, ["train", "--dataset", str(truncated)]).startswith(
         f"Dataset file {truncated} cannot be read ("
+    )
+
+
+@pytest.fixture
+def no_hang():
+    """A regression fails here in 60 s instead of blocking the suite (a FIFO's open waits for a
+    writer for ever): SIGALRM interrupts the blocked call with an exception."""
+
+    def hung(signum, frame):
+        raise TimeoutError("blocked on a file that is not a file")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_dataset_files_that_are_not_files_are_refused_not_read(capsys, in_tmp, no_hang):
+    damaged(in_tmp, "a.jsonl", GOOD.encode() * 3)
+    fifo = in_tmp / "data" / "b.jsonl"
+    os.mkfifo(fifo)
+    message = refusal(capsys, ["train", "--dataset", str(in_tmp / "data")])
+    assert message.startswith(f"Dataset file {fifo} is a FIFO (named pipe), not a regular file;")
+    assert refusal(capsys, ["train", "--dataset", str(fifo)]).startswith(
+        f"Dataset file {fifo} is a FIFO (named pipe), not a regular file;"
+    )
+    fifo.unlink()
+    endless = in_tmp / "data" / "c.jsonl"
+    endless.symlink_to("/dev/zero")
+    assert refusal(capsys, ["train", "--dataset", str(in_tmp / "data")]).startswith(
+        f"Dataset file {endless} is a character device, not a regular file;"
+    )
+    # Swapped in after the folder was listed: the reader refuses it too, without blocking.
+    endless.unlink()
+    os.mkfifo(endless)
+    with pytest.raises(LaunchError, match=r"cannot be read \(a FIFO \(named pipe\), not a"):
+        check_json_lines(endless)
+    assert sorted(os.listdir(in_tmp)) == ["data"]
+
+
+def test_a_line_longer_than_the_limit_is_refused_unread(capsys, in_tmp, monkeypatch):
+    from qwentitan.launch.runtime.data import check
+
+    monkeypatch.setattr(check, "MAX_LINE_BYTES", 4 << 20, raising=False)
+    data = damaged(in_tmp, "long.jsonl", GOOD.encode() + b"x" * (5 << 20) + b"\n" + GOOD.encode())
+    assert refusal(capsys, ["train", "--dataset", str(data)]).startswith(
+        f"Dataset file {data} line 2 is longer than 4 MiB;"
     )
 
 

@@ -3,6 +3,7 @@ IMDSv2 (token first), a notice mid-watch becomes the preemption path's stop, off
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -96,3 +97,63 @@ def test_the_endpoint_is_read_as_the_aws_sdks_read_it(env, expected, monkeypatch
     assert spot.endpoint() == expected
     if expected is None:
         assert spot.start_watching(lambda text: None) is None
+
+
+def test_only_the_documented_notice_is_one(metadata_service, caplog):
+    """Any other answer at the notice's address is logged once, short and escaped, and the
+    watch goes on; the notice kept is re-encoded from `action` and `time` alone."""
+    seen: list[str] = []
+    watcher = spot.SpotWatcher(metadata_service.url, seen.append, poll_s=0.02).start()
+    hostile = "\x1b[2J\x1b[31m" + "\n2026-01-01 00:00:00 INFO forged: all good" + "A" * (1 << 20)
+    try:
+        _wait(lambda: watcher.state == "watching")
+        metadata_service.notice = hostile
+        answered = lambda: sum(  # noqa: E731
+            code == 200 and path.endswith("instance-action")
+            for _, path, code in metadata_service.requests
+        )
+        _wait(lambda: seen or answered() >= 3)
+        assert seen == [] and watcher.state == "watching" and watcher.notice is None
+        metadata_service.notice = json.dumps(
+            {"action": "terminate", "time": "2026-12-07T02:00:00Z", "extra": "\x1b[31m" * 10}
+        )
+        _wait(lambda: seen)
+    finally:
+        watcher.stop()
+        watcher.join(5)
+    assert seen == ['{"action": "terminate", "time": "2026-12-07T02:00:00Z"}']
+    assert watcher.notice == seen[0] and spot.describe_notice(seen[0]) == (
+        "terminate at 2026-12-07T02:00:00Z"
+    )
+    (said,) = [r.getMessage() for r in caplog.records if "instance-action" in r.getMessage()]
+    assert said.startswith(
+        "The metadata service's spot/instance-action answered something that is not an "
+        "interruption notice (more than 1024 bytes: '\\x1b[2J\\x1b[31m\\n2026-01-01"
+    )
+    assert said.endswith("...); ignored, still watching.")
+    assert len(said) < 300 and "\x1b" not in said and "\n" not in said
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"{}",
+        b"terminate",
+        b'["terminate", "2026-12-07T02:00:00Z"]',
+        b'{"action": "reboot", "time": "2026-12-07T02:00:00Z"}',
+        b'{"action": "terminate", "time": "in two minutes"}',
+        b'{"action": "terminate", "time": 1765072800}',
+        b'{"action": "stop"}',
+        b"\xff\xfe",
+        b"[" * 100_000,
+    ],
+)
+def test_what_is_not_a_notice(body):
+    assert spot.parse_notice(body) is None
+
+
+@pytest.mark.parametrize("action", ["stop", "terminate", "hibernate"])
+def test_the_documented_actions_are_notices(action):
+    body = json.dumps({"action": action, "time": "2017-09-18T08:22:00Z"}).encode()
+    assert spot.parse_notice(body) == body.decode()

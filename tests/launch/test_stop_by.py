@@ -26,6 +26,8 @@ NOW = datetime(2026, 12, 3, 6, 0, 0, tzinfo=UTC)
         ("+2h", NOW + timedelta(hours=2)),
         ("2026-12-03T18:00:00Z", datetime(2026, 12, 3, 18, tzinfo=UTC)),
         ("2026-12-03 18:00:00+00:00", datetime(2026, 12, 3, 18, tzinfo=UTC)),
+        ("2026-12-03T20:00:00+02:00", datetime(2026, 12, 3, 18, tzinfo=UTC)),  # the same moment
+        ("2026-12-03T13:30-04:30", datetime(2026, 12, 3, 18, tzinfo=UTC)),
     ],
 )
 def test_stop_by_reads_utc_times_and_durations(text, expected):
@@ -39,7 +41,9 @@ def test_stop_by_reads_utc_times_and_durations(text, expected):
         ("+10 minutes", "is not a duration"),
         ("tomorrow", "is not a time"),
         ("2026-12-03T18:00:00", "names no UTC offset"),
-        ("2026-12-03T18:00:00+01:00", "names no UTC offset"),
+        ("+99999999999h", "lies beyond the year 9999"),
+        ("+" + "9" * 5000 + "s", "lies beyond the year 9999"),
+        ("9999-12-31T23:00:00-02:00", "lies beyond the year 9999"),
     ],
 )
 def test_a_stop_by_that_is_not_a_utc_time_is_one_sentence(text, says):
@@ -65,6 +69,15 @@ def test_a_passed_stop_by_is_refused_on_the_command_line(capsys):
     assert cli.main(["train", "--stop-by", "2020-01-01T00:00:00Z"]) == 2
     err = capsys.readouterr().err
     assert "--stop-by 2020-01-01T00:00:00Z has already passed" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_stop_by_beyond_the_calendar_is_one_sentence_on_the_command_line(capsys):
+    from qwentitan.launch.launcher import cli
+
+    assert cli.main(["plan", "--recipe", "tiny_dense", "--stop-by", "+99999999999h"]) == 2
+    err = capsys.readouterr().err
+    assert "--stop-by '+99999999999h' lies beyond the year 9999" in err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 

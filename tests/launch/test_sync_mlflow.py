@@ -4,6 +4,7 @@ damaged spool is replayed around its damaged lines, reported, and never leaves a
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -226,3 +227,56 @@ def test_two_syncs_at_once_into_a_new_sqlite_store(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("qwentitan-test").experiment_id
     assert len(client.search_runs([experiment])) == 2
+
+
+def test_a_line_python_cannot_read_or_too_long_is_damaged_not_a_traceback(
+    tmp_path, capsys, monkeypatch, new_mlflow_store
+):
+    from qwentitan.launch.tracking import spool as spool_module
+
+    monkeypatch.setattr(spool_module, "MAX_LINE_BYTES", 1 << 20, raising=False)
+    uri = new_mlflow_store(tmp_path)
+    path, _ = write_spool(tmp_path / "run", uri)
+    lines = path.read_bytes().split(b"\n")
+    lines[2] = b"[" * 200_000  # nested past Python's recursion limit
+    lines[3] = b'{"kind": "metrics", "seq": 3, "pad": "' + b"x" * (2 << 20) + b'"}'  # 2 MiB
+    path.write_bytes(b"\n".join(lines))
+    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert ours(err).startswith("qwentitan-launch sync-mlflow: skipped damaged spool line(s) 3, 4 ")
+    assert "1 metric points added" in out
+
+
+@pytest.fixture
+def no_hang():
+    """A regression fails here in 60 s instead of blocking the suite (a FIFO's open waits for a
+    writer for ever): SIGALRM interrupts the blocked call with an exception."""
+
+    def hung(signum, frame):
+        raise TimeoutError("blocked on a file that is not a file")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_or_device_in_the_spool_folder_is_one_sentence(tmp_path, capsys, no_hang):
+    fifo = tmp_path / "run" / SPOOL_FOLDER / "20260101-000001-fifo0001.jsonl"
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    for target in (tmp_path / "run", fifo):
+        assert cli.main(["sync-mlflow", str(target)]) == 2
+        out, err = capsys.readouterr()
+        assert "Traceback" not in out + err
+        assert ours(err) == (
+            f"qwentitan-launch sync-mlflow: {fifo} is a FIFO (named pipe), not a regular file; "
+            f"sync-mlflow reads spool files only, move it out of {SPOOL_FOLDER}/ and run "
+            "sync-mlflow again."
+        )
+    fifo.unlink()
+    fifo.symlink_to("/dev/zero")
+    assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 2
+    assert "is a character device, not a regular file" in ours(capsys.readouterr().err)

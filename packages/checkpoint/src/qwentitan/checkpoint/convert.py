@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = 
     needs = _space_needed(total, files)
     check_destination(src, dst, overwrite, kind="dcp", needs=needs)
     with (
-        staged_folder(dst, needs) as tmp,
+        staged_folder(dst, needs, overwrite=overwrite, kind="dcp") as tmp,
         byte_progress(f"to-dcp {src.name}", total) as advance,
     ):
         dcp_write.write(
@@ -224,7 +225,7 @@ def to_hf(
     check_destination(src, dst, overwrite, kind="hf", needs=needs)
     exporter = Exporter(ckpt, export_dtype, allow_overflow)
     with (
-        staged_folder(dst, needs) as tmp,
+        staged_folder(dst, needs, overwrite=overwrite, kind="hf") as tmp,
         byte_progress(f"to-hf {src.name}", total) as advance,
     ):
         writer = ShardedWriter(tmp, entries, shard_bytes, files, serial=SERIAL_SHARDS)
@@ -363,6 +364,12 @@ def _write_side_files(
     folder: Path, config: dict[str, Any], config_path: Path, dtype: torch.dtype | None
 ) -> None:
     config = dict(config)
+    if config.pop("auto_map", None) is not None:
+        warnings.warn(
+            "dropped auto_map from the exported config.json: the export is transformers' own "
+            "Qwen3, and a trust_remote_code load would fetch the code auto_map names",
+            stacklevel=1,  # here, in the package: the CLI shows the package's warnings
+        )
     if dtype is not None:
         name = dtype_name(dtype)
         config["dtype"] = name

@@ -189,82 +189,77 @@ def dump_metadata(
     planner_data = []
     storage_data = []
     for fqn, (shape, dtype, chunks) in tensors.items():
-        properties = _obj(
-            _DCP_METADATA,
-            "TensorProperties",
-            _tuple(
-                _global("torch", dtype),
-                _global("torch.serialization", "_get_layout")
-                + _tuple(_str("torch.strided"))
-                + b"R",
-                b"\x89",  # requires_grad
-                _global(_DCP_METADATA, "_MEM_FORMAT_ENCODING") + _tuple(_int(0)) + b"R",
-                b"\x89",  # pin_memory
-            ),
-        )
-        chunk_list = [
-            _obj(
-                _DCP_METADATA,
-                "ChunkStorageMetadata",
-                _dict([(_str("offsets"), _size(c.offsets)), (_str("sizes"), _size(c.sizes))]),
-            )
-            for c in chunks
-        ]
-        state_dict_metadata.append(
-            (
-                _str(fqn),
-                _obj(
-                    _DCP_METADATA,
-                    "TensorStorageMetadata",
-                    _dict(
-                        [
-                            (_str("properties"), properties),
-                            (_str("size"), _size(shape)),
-                            (_str("chunks"), _list(chunk_list)),
-                        ]
-                    ),
-                ),
-            )
-        )
+        state_dict_metadata.append((_str(fqn), _tensor_metadata(shape, dtype, chunks)))
         planner_data.append((_str(fqn), _tuple(_str(fqn))))
-        for i, c in enumerate(chunks):
-            index = _obj(
-                _DCP_METADATA,
-                "MetadataIndex",
-                _dict(
-                    [
-                        (_str("fqn"), _str(fqn)),
-                        (_str("offset"), _size(c.offsets)),
-                        (_str("index"), _int(i)),
-                    ]
-                ),
-            )
-            info = _obj(
-                _DCP_FILESYSTEM,
-                "_StorageInfo",
-                _dict(
-                    [
-                        (_str("relative_path"), _str(c.relative_path)),
-                        (_str("offset"), _int(c.offset)),
-                        (_str("length"), _int(c.length)),
-                    ]
-                ),
-            )
-            storage_data.append((index, info))
+        storage_data += _storage_entries(fqn, chunks)
     metadata = _obj(
         _DCP_METADATA,
         "Metadata",
-        _dict(
-            [
-                (_str("state_dict_metadata"), _dict(state_dict_metadata)),
-                (_str("planner_data"), _dict(planner_data)),
-                (_str("storage_data"), _dict(storage_data)),
-                (_str("storage_meta"), b"N"),
-                (_str("version"), _str(DCP_METADATA_VERSION)),
-            ]
+        _fields(
+            state_dict_metadata=_dict(state_dict_metadata),
+            planner_data=_dict(planner_data),
+            storage_data=_dict(storage_data),
+            storage_meta=b"N",
+            version=_str(DCP_METADATA_VERSION),
         ),
     )
     file.write(b"\x80\x02" + metadata + b".")
+
+
+def _tensor_metadata(shape: tuple[int, ...], dtype: str, chunks: list[StoredChunk]) -> bytes:
+    """A pickled `TensorStorageMetadata`: a dense, strided tensor without grad or pinning."""
+    properties = _obj(
+        _DCP_METADATA,
+        "TensorProperties",
+        _tuple(
+            _global("torch", dtype),
+            _global("torch.serialization", "_get_layout") + _tuple(_str("torch.strided")) + b"R",
+            b"\x89",  # requires_grad
+            _global(_DCP_METADATA, "_MEM_FORMAT_ENCODING") + _tuple(_int(0)) + b"R",
+            b"\x89",  # pin_memory
+        ),
+    )
+    chunk_list = [
+        _obj(
+            _DCP_METADATA,
+            "ChunkStorageMetadata",
+            _fields(offsets=_size(c.offsets), sizes=_size(c.sizes)),
+        )
+        for c in chunks
+    ]
+    return _obj(
+        _DCP_METADATA,
+        "TensorStorageMetadata",
+        _fields(properties=properties, size=_size(shape), chunks=_list(chunk_list)),
+    )
+
+
+def _storage_entries(fqn: str, chunks: list[StoredChunk]) -> list[tuple[bytes, bytes]]:
+    """Pickled (`MetadataIndex`, `_StorageInfo`) pairs: where each chunk of `fqn` is stored."""
+    return [
+        (
+            _obj(
+                _DCP_METADATA,
+                "MetadataIndex",
+                _fields(fqn=_str(fqn), offset=_size(c.offsets), index=_int(i)),
+            ),
+            _obj(
+                _DCP_FILESYSTEM,
+                "_StorageInfo",
+                _fields(
+                    relative_path=_str(c.relative_path),
+                    offset=_int(c.offset),
+                    length=_int(c.length),
+                ),
+            ),
+        )
+        for i, c in enumerate(chunks)
+    ]
+
+
+def _fields(**values: bytes) -> bytes:
+    """A pickled dict of attribute names to pickled values, in the order given."""
+    return _dict([(_str(name), value) for name, value in values.items()])
 
 
 def _global(module: str, name: str) -> bytes:

@@ -81,58 +81,74 @@ def write(
 
     def write_piece(piece: Piece) -> int:
         shape, dtype = specs[piece.fqn]
-        rows = (piece.stop - piece.start, *shape[1:]) if shape else ()
-        head, tail = framing(rows, dtype)
-        nbytes = nbytes_of(rows, dtype)
-        fd = os.open(folder / piece.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _pwrite(fd, head, 0)
-            parts = sources[piece.fqn](piece.start, piece.stop)
-            at = len(head)
-            if parts is None:
-                os.ftruncate(fd, at + nbytes)  # zeros: a hole the file system fills in
-            else:
-                for path, offset, size in parts:
-                    copy_range(path, fd, offset, size, at, "re-download it")
-                    at += size
-                assert at == len(head) + nbytes, piece
-            _pwrite(fd, tail, len(head) + nbytes)
-        finally:
-            os.close(fd)
-        on_written(nbytes)
-        return len(head) + nbytes + len(tail)
+        return _write_piece(folder, piece, shape, dtype, sources[piece.fqn], on_written)
 
-    order = [p for ps in pieces.values() for p in ps]
-    pool = ThreadPoolExecutor(threads)
-    try:
-        futures = {pool.submit(write_piece, p): p for p in order}
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in done:
-            if future.exception() is not None:
-                raise future.exception()
-        lengths = {piece: future.result() for future, piece in futures.items()}
-    finally:
-        # On a failure or a signal, what has not started is dropped and the rest finishes
-        # before the caller removes the folder.
-        pool.shutdown(wait=True, cancel_futures=True)
-
+    lengths = _in_threads(write_piece, [p for ps in pieces.values() for p in ps], threads)
     tensors = {}
     for fqn, (shape, dtype) in specs.items():
-        chunks = [
-            StoredChunk(
-                offsets=(p.start, *(0 for _ in shape[1:])) if shape else (),
-                sizes=(p.stop - p.start, *shape[1:]) if shape else (),
-                relative_path=p.file,
-                offset=0,
-                length=lengths[p],
-            )
-            for p in pieces[fqn]
-        ]
+        chunks = [_stored_chunk(p, shape, lengths[p]) for p in pieces[fqn]]
         tensors[fqn] = (shape, str(dtype).removeprefix("torch."), chunks)
     for alias, target in (aliases or {}).items():
         tensors[alias] = tensors[target]
     with open(folder / METADATA, "wb") as f:
         dump_metadata(tensors, f)
+
+
+def _write_piece(
+    folder: Path,
+    piece: Piece,
+    shape: Shape,
+    dtype: torch.dtype,
+    source: Source,
+    on_written: Callable[[int], None],
+) -> int:
+    """Write one piece's record file (head, rows copied from `source`, tail); its length."""
+    rows = (piece.stop - piece.start, *shape[1:]) if shape else ()
+    head, tail = framing(rows, dtype)
+    nbytes = nbytes_of(rows, dtype)
+    fd = os.open(folder / piece.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _pwrite(fd, head, 0)
+        parts = source(piece.start, piece.stop)
+        at = len(head)
+        if parts is None:
+            os.ftruncate(fd, at + nbytes)  # zeros: a hole the file system fills in
+        else:
+            for path, offset, size in parts:
+                copy_range(path, fd, offset, size, at, "re-download it")
+                at += size
+            assert at == len(head) + nbytes, piece
+        _pwrite(fd, tail, len(head) + nbytes)
+    finally:
+        os.close(fd)
+    on_written(nbytes)
+    return len(head) + nbytes + len(tail)
+
+
+def _in_threads(work: Callable[[Piece], int], order: list[Piece], threads: int) -> dict[Piece, int]:
+    """`work(piece)` for every piece on `threads` threads; the first failure is raised."""
+    pool = ThreadPoolExecutor(threads)
+    try:
+        futures = {pool.submit(work, p): p for p in order}
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                raise future.exception()
+        return {piece: future.result() for future, piece in futures.items()}
+    finally:
+        # On a failure or a signal, what has not started is dropped and the rest finishes
+        # before the caller removes the folder.
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stored_chunk(piece: Piece, shape: Shape, length: int) -> StoredChunk:
+    return StoredChunk(
+        offsets=(piece.start, *(0 for _ in shape[1:])) if shape else (),
+        sizes=(piece.stop - piece.start, *shape[1:]) if shape else (),
+        relative_path=piece.file,
+        offset=0,
+        length=length,
+    )
 
 
 def _pwrite(fd: int, data: bytes, at: int) -> None:

@@ -1,6 +1,7 @@
-"""Writing files so that nothing is ever left half written, and the one free-disk rule.
+"""Writing files so that nothing is ever left half written, the one free-disk rule, and
+reading a file a user named without trusting it to be one (`open_regular`, `bounded_lines`).
 
-The workspace's single home for both ideas: `qwentitan.launch` imports them from here (the
+The workspace's single home for these ideas: `qwentitan.launch` imports them from here (the
 package arrows let launch use checkpoint, never the reverse). Imports nothing heavy: the
 launcher's CLI reaches it before torch is loaded.
 """
@@ -8,12 +9,15 @@ launcher's CLI reaches it before torch is loaded.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from qwentitan.checkpoint.errors import CheckpointError
 
@@ -22,9 +26,12 @@ __all__ = [
     "DiskRoom",
     "atomic_file",
     "atomic_folder",
+    "bounded_lines",
     "disk_room",
+    "file_kind",
     "format_size",
     "member",
+    "open_regular",
 ]
 
 # Room asked for beyond an estimate: file-system metadata and small files the estimate omits.
@@ -120,3 +127,50 @@ def member(folder: Path, name: object, named_in: Path) -> Path:
             "restore the index from the model's original files."
         )
     return Path(folder) / name
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def file_kind(mode: int) -> str | None:
+    """None for a regular file, else what the `st_mode` says it is ("a FIFO (named pipe)")."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """`path` (links followed) opened for reading in binary, if it is a regular file; else an
+    OSError whose `strerror` says what it is ("a FIFO (named pipe), not a regular file").
+
+    Opened without blocking first: opening a FIFO waits for a writer, for ever; reading a
+    device such as /dev/zero never ends.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        kind = file_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise OSError(errno.EINVAL, f"{kind}, not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def bounded_lines(stream: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """Each line of `stream` (its newline kept), holding at most `limit` bytes in memory: a
+    longer line is read through and given as None, so one endless line cannot fill memory."""
+    while line := stream.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := stream.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield None

@@ -59,62 +59,12 @@ def float32_grouped_experts() -> type:
 def titan_model_config(config: dict[str, Any], where: Path | str):
     """torchtitan's Qwen3Model.Config for a Hugging Face config.json (causal SDPA attention)."""
     layout = Qwen3Layout.from_config(config, where)
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, Qwen3Model, _qwen3_norm
 
-    # The layer builders are the ones torchtitan's own flavor table uses.
-    from torchtitan.models.qwen3 import (
-        _EMBEDDING_INIT,
-        _LINEAR_INIT,
-        Qwen3Model,
-        _build_qwen3_layers,
-        _build_qwen3_moe_layers,
-        _qwen3_norm,
-    )
-
-    rope_parameters = config.get("rope_parameters") or {}
-    theta = config.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0
-    if rope_parameters.get("rope_type", "default") != "default" or config.get("rope_scaling"):
-        raise CheckpointError(
-            f"{where} uses rope scaling, which torchtitan's Qwen3 does not implement; "
-            "verify without --logits."
-        )
-    rope = CosSinRoPE.Config(
-        dim=layout.head_dim, max_seq_len=config.get("max_position_embeddings", 4096), theta=theta
-    )
-    common = dict(
-        n_layers=layout.num_layers,
-        dim=layout.hidden_size,
-        n_heads=layout.num_heads,
-        n_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        attn_backend="flex",
-        rope=rope,
-    )
-    if layout.model_type == "qwen3":
-        layers = _build_qwen3_layers(hidden_dim=layout.intermediate_size, **common)
-    else:
-        if layout.moe_layers != frozenset(range(layout.num_layers)):
-            raise CheckpointError(
-                f"{where} mixes dense and MoE layers, which torchtitan's Qwen3 cannot build; "
-                "verify without --logits."
-            )
-        layers = _build_qwen3_moe_layers(
-            moe_hidden_dim=layout.moe_intermediate_size,
-            num_experts=layout.num_experts,
-            top_k=config["num_experts_per_tok"],
-            moe_comm_backend="standard",
-            **common,
-        )
-        float32_experts = float32_grouped_experts()
-        for layer in layers:
-            layer.moe.router.route_norm = bool(config.get("norm_topk_prob", False))
-            # The one place the verified model departs from torchtitan's: no bf16 experts.
-            inner = layer.moe.routed_experts.inner_experts
-            layer.moe.routed_experts.inner_experts = float32_experts.Config(
-                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner) if f.init}
-            )
+    layers = _layers(config, layout, where)
     for layer in layers:
         # Plain causal SDPA: flex attention needs inductor, and one unmasked prompt needs no mask.
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -137,6 +87,60 @@ def titan_model_config(config: dict[str, Any], where: Path | str):
     )
     _set_norm_eps(model, config.get("rms_norm_eps", 1e-6), RMSNorm.Config)
     return model
+
+
+def _layers(config: dict[str, Any], layout: Qwen3Layout, where: Path | str) -> list[Any]:
+    """The decoder layers' configs, built by the builders torchtitan's own flavor table uses."""
+    from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers
+
+    common = dict(
+        n_layers=layout.num_layers,
+        dim=layout.hidden_size,
+        n_heads=layout.num_heads,
+        n_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        attn_backend="flex",
+        rope=_rope(config, layout, where),
+    )
+    if layout.model_type == "qwen3":
+        return _build_qwen3_layers(hidden_dim=layout.intermediate_size, **common)
+    if layout.moe_layers != frozenset(range(layout.num_layers)):
+        raise CheckpointError(
+            f"{where} mixes dense and MoE layers, which torchtitan's Qwen3 cannot build; "
+            "verify without --logits."
+        )
+    layers = _build_qwen3_moe_layers(
+        moe_hidden_dim=layout.moe_intermediate_size,
+        num_experts=layout.num_experts,
+        top_k=config["num_experts_per_tok"],
+        moe_comm_backend="standard",
+        **common,
+    )
+    float32_experts = float32_grouped_experts()
+    for layer in layers:
+        layer.moe.router.route_norm = bool(config.get("norm_topk_prob", False))
+        # The one place the verified model departs from torchtitan's: no bf16 experts.
+        inner = layer.moe.routed_experts.inner_experts
+        layer.moe.routed_experts.inner_experts = float32_experts.Config(
+            **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner) if f.init}
+        )
+    return layers
+
+
+def _rope(config: dict[str, Any], layout: Qwen3Layout, where: Path | str) -> Any:
+    """Plain RoPE from the config's theta; any rope scaling is refused."""
+    from torchtitan.models.common import CosSinRoPE
+
+    rope_parameters = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or rope_parameters.get("rope_theta") or 10000.0
+    if rope_parameters.get("rope_type", "default") != "default" or config.get("rope_scaling"):
+        raise CheckpointError(
+            f"{where} uses rope scaling, which torchtitan's Qwen3 does not implement; "
+            "verify without --logits."
+        )
+    return CosSinRoPE.Config(
+        dim=layout.head_dim, max_seq_len=config.get("max_position_embeddings", 4096), theta=theta
+    )
 
 
 def _set_norm_eps(node: Any, eps: float, norm_type: type) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fnmatch
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -144,14 +146,16 @@ def _is_kind_file(name: str, kind: str) -> bool:
 
 
 @contextmanager
-def staged_folder(dst: Path, needs: int) -> Iterator[Path]:
+def staged_folder(dst: Path, needs: int, *, overwrite: bool, kind: str) -> Iterator[Path]:
     """Yield an empty temporary sibling of `dst`; on success it replaces `dst`, else it is removed.
 
     An interrupted or failed run leaves nothing that looks like a complete checkpoint: its
-    hidden `.{name}.partial-{pid}-*` folder is removed on the way out, on SIGINT and SIGTERM
-    too (both become a CheckpointError); one that a killed run left behind is removed by the
-    next run's `check_destination`. A full disk or an unwritable folder mid-write
-    becomes one CheckpointError naming the path and the cause.
+    hidden `.{name}.partial-{pid}-{8 hex}` folder is removed on the way out, on SIGINT and
+    SIGTERM too (both become a CheckpointError); one that a killed run left behind is removed
+    by the next run's `check_destination`. A full disk or an unwritable folder mid-write
+    becomes one CheckpointError naming the path and the cause. The destination is checked
+    again at the rename: without `overwrite` it is claimed atomically (a `dst` another writer
+    finished meanwhile is kept and this run fails); with it, only a folder of `kind` is replaced.
     """
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -165,10 +169,14 @@ def staged_folder(dst: Path, needs: int) -> Iterator[Path]:
         try:
             yield tmp
             _sync_tree(tmp)
-            if dst.exists() or dst.is_symlink():
-                old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-                os.rename(dst, old)
-            os.rename(tmp, dst)
+            if not overwrite:
+                _rename_noreplace(tmp, dst)
+            else:
+                if dst.exists() or dst.is_symlink():
+                    _check_replaceable(dst, kind)  # another writer may have put it there since
+                    old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+                    os.rename(dst, old)
+                os.rename(tmp, dst)
             if old is not None:
                 shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
             _fsync_dir(dst.parent)
@@ -182,6 +190,40 @@ def staged_folder(dst: Path, needs: int) -> Iterator[Path]:
             raise error from None
         finally:
             _remove(tmp)
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1  # <linux/fs.h>: fail with EEXIST rather than replace the target
+
+
+def _rename_noreplace(tmp: Path, dst: Path) -> None:
+    """Rename `tmp` to `dst` only if nothing is at `dst`, in one step (renameat2), so of two
+    writers into one new folder the second fails instead of replacing the first's output."""
+    renameat2 = getattr(libc(), "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE):
+            err = ctypes.get_errno()
+            if err == errno.EEXIST:
+                raise CheckpointError(_taken(dst))
+            if err not in (errno.EINVAL, errno.ENOSYS):  # EINVAL: a file system without it
+                raise OSError(err, os.strerror(err), str(dst))
+        else:
+            return
+    # Without renameat2, rename(2) still refuses a non-empty folder, a file or a link at `dst`
+    # (it would replace only an empty folder).
+    try:
+        os.rename(tmp, dst)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise CheckpointError(_taken(dst)) from None
+        raise
+
+
+def _taken(dst: Path) -> str:
+    return (
+        f"destination {dst} was created by another writer while this one ran; kept it and "
+        "removed this run's output, choose another path or pass --overwrite to replace it."
+    )
 
 
 def _remove(tmp: Path) -> None:
@@ -199,16 +241,18 @@ def _partial_prefix(dst: Path) -> str:
 
 
 def _remove_stale_partials(dst: Path) -> None:
-    """Remove the partial outputs of runs to `dst` that were killed (SIGKILL, power loss);
-    those of a run still going (its pid is alive) are left alone."""
+    """Remove the partial outputs of runs to `dst` that were killed (SIGKILL, power loss):
+    folders named exactly as `staged_folder` names them, whose writer's pid is gone. A run
+    still going is left alone, and so is anything else (a user's `.out.partial-backup`)."""
     if not dst.parent.is_dir():
         return
+    own = re.compile(re.escape(_partial_prefix(dst)) + r"(\d+)-[0-9a-f]{8}")
     stale = []
-    for path in sorted(dst.parent.glob(_partial_prefix(dst).replace("[", "[[]") + "*")):
-        pid = path.name.removeprefix(_partial_prefix(dst)).split("-")[0]
-        if pid.isdigit() and _alive(int(pid)):
+    for path in sorted(dst.parent.iterdir()):
+        match = own.fullmatch(path.name)
+        if match is None or path.is_symlink() or not path.is_dir() or _alive(int(match[1])):
             continue
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+        shutil.rmtree(path, ignore_errors=True)
         stale.append(path.name)
     if stale:
         warnings.warn(

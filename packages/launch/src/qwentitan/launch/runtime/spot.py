@@ -7,6 +7,14 @@ node polls it with IMDSv2 (a PUT to `/latest/api/token`, then the GET with that 
 calls `PreemptionWatch.request(SPOT_NOTICE)`: the same flag a signal sets, all-reduced at the
 next step boundary, so every rank of every node saves and stops together.
 
+Only the documented notice counts: a JSON object whose `action` is `stop`, `terminate` or
+`hibernate` and whose `time` is a UTC time such as `2017-09-18T08:22:00Z` (EC2 User Guide,
+"Spot Instance interruption notices", the `instance-action` item:
+https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-notices.html).
+Anything else answered there (another body, more than `MAX_BODY` bytes) is not a notice: it is
+logged once as unreadable, cut short and with control characters escaped, and the watch goes
+on; the notice kept and reported is re-encoded from those two fields only.
+
 The endpoint is `$AWS_EC2_METADATA_SERVICE_ENDPOINT`, as the AWS SDKs read it (default
 http://169.254.169.254); `$AWS_EC2_METADATA_DISABLED=true` turns the watcher off, as it turns
 the SDKs' metadata reads off. Off EC2 (no token from the first PUT) the watcher stops after
@@ -16,6 +24,7 @@ that one probe.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -26,7 +35,7 @@ from torchtitan.tools.logging import logger
 
 from qwentitan.launch.base import env_defaults
 
-__all__ = ["DEFAULT_ENDPOINT", "POLL_S", "SpotWatcher", "endpoint"]
+__all__ = ["DEFAULT_ENDPOINT", "POLL_S", "SpotWatcher", "endpoint", "parse_notice"]
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
 # AWS's guide to spot interruption notices suggests checking every 5 seconds.
@@ -34,6 +43,10 @@ POLL_S = 5.0
 TIMEOUT_S = 2.0
 _TOKEN_TTL_S = 21600  # IMDSv2's longest; renewed a minute before it ends
 _ACTION = "/latest/meta-data/spot/instance-action"
+# The documented notice is about 50 bytes; a longer answer is read no further.
+MAX_BODY = 1024
+_ACTIONS = ("stop", "terminate", "hibernate")
+_UTC_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 # The metadata service is link-local: never through an HTTP(S)_PROXY of the environment.
 _OPEN = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
 
@@ -58,7 +71,8 @@ class SpotWatcher:
         self.on_notice = on_notice
         self.poll_s = poll_s
         self.timeout_s = timeout_s
-        self.notice: str | None = None
+        self.notice: str | None = None  # the notice, re-encoded: {"action": ..., "time": ...}
+        self.unreadable = 0  # answers to the notice's address that were not a notice
         self.state = "starting"  # then "watching", "off EC2" or "noticed"
         self._stop = threading.Event()
         self._token: tuple[str, float] | None = None
@@ -97,13 +111,26 @@ class SpotWatcher:
         )
         try:
             with _OPEN(request, timeout=self.timeout_s) as response:
-                return response.read().decode("utf-8", "replace").strip() or "{}"
+                body = response.read(MAX_BODY + 1)
         except urllib.error.HTTPError as error:
             if error.code == 401:
                 self._token = None  # expired or revoked: a new one next time
             return None  # 404: no notice
         except (OSError, ValueError):
             return None
+        notice = parse_notice(body)
+        if notice is None:
+            self._unreadable(body)
+        return notice
+
+    def _unreadable(self, body: bytes) -> None:
+        """Said once (the service is polled every few seconds); never a stop."""
+        self.unreadable += 1
+        if self.unreadable == 1:
+            logger.warning(
+                f"The metadata service's spot/instance-action answered something that is not "
+                f"an interruption notice ({shown(body)}); ignored, still watching."
+            )
 
     def _fresh_token(self) -> str | None:
         now = time.monotonic()
@@ -123,13 +150,38 @@ class SpotWatcher:
         return token or None
 
 
-def describe_notice(text: str) -> str:
-    """The notice's action and time (`terminate at 2026-...`), else its raw text."""
+def parse_notice(body: bytes) -> str | None:
+    """The documented notice in `body`, re-encoded from its `action` and `time` alone, else None."""
+    if len(body) > MAX_BODY:
+        return None
     try:
-        notice = json.loads(text)
-        return f"{notice['action']} at {notice['time']}"
-    except (ValueError, KeyError, TypeError):
-        return text[:200]
+        notice = json.loads(body.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8 or not JSON
+        return None
+    if not isinstance(notice, dict):
+        return None
+    action, when = notice.get("action"), notice.get("time")
+    if action not in _ACTIONS or not isinstance(when, str) or not _UTC_TIME.fullmatch(when):
+        return None
+    return json.dumps({"action": action, "time": when})
+
+
+def shown(body: bytes, limit: int = 80) -> str:
+    """A body for a log line: its size and its start, escaped (no terminal codes, no newline
+    that would forge a log line)."""
+    more = len(body) > limit
+    text = repr(body[:limit].decode("utf-8", "replace"))
+    size = f"more than {MAX_BODY} bytes" if len(body) > MAX_BODY else f"{len(body)} bytes"
+    return f"{size}: {text}{'...' if more else ''}"
+
+
+def describe_notice(text: str) -> str:
+    """The notice's action and time (`terminate at 2026-...`), else the text escaped."""
+    notice = parse_notice(text.encode("utf-8", "replace"))
+    if notice is None:
+        return shown(text.encode("utf-8", "replace"))
+    fields = json.loads(notice)
+    return f"{fields['action']} at {fields['time']}"
 
 
 def start_watching(on_notice: Callable[[str], None]) -> SpotWatcher | None:

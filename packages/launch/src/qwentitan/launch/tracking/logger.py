@@ -38,6 +38,8 @@ from qwentitan.launch.tracking.store import (
     REQUEST_TIMEOUT_S,
     now_ms,
     resolve_tracking_uri,
+    scrubbed,
+    without_credentials,
 )
 from qwentitan.launch.tracking.summary import RunSummary, flatten_config, hourly_price, step_values
 from qwentitan.launch.tracking.writer import BackgroundWriter
@@ -128,7 +130,10 @@ class MLflowLogger(BaseLogger, Configurable):
         self.run_dir = Path(run_dir).resolve()
         self.world_size = world_size
         self.instances = nodes
-        self.tracking_uri = resolve_tracking_uri(config.tracking_uri)
+        # What is shown and stored (spool, reports, log lines): the address without its user
+        # and password; only the writer's MLflow client gets it whole.
+        connect_uri = resolve_tracking_uri(config.tracking_uri)
+        self.tracking_uri = without_credentials(connect_uri)
         self.run_key = uuid.uuid4().hex
         self.summary = RunSummary()
         self._closed = False
@@ -147,14 +152,15 @@ class MLflowLogger(BaseLogger, Configurable):
             start_ms=now_ms(),
         )
         self.writer = BackgroundWriter(
-            self.tracking_uri,
+            connect_uri,
             self.spool.path,
             self.run_dir,
             retry_after_s=config.retry_after_s,
             records=self.spool.records,
         )
+        config_dict = scrubbed(config_dict) if config_dict is not None else None
         self._emit("params", params=flatten_config(config_dict or {}))
-        self._emit("tags", tags=all_tags)
+        self._emit("tags", tags=scrubbed(all_tags))
         if config_dict is not None:
             self._keep_config(config_dict)
         self.writer.start()
@@ -200,7 +206,7 @@ class MLflowLogger(BaseLogger, Configurable):
     def set_tags(self, tags: dict[str, str]) -> None:
         """Add or change tags of the run while it logs (for facts known only after a step)."""
         if not self._closed:
-            self._emit("tags", tags=dict(tags))
+            self._emit("tags", tags=scrubbed(dict(tags)))
 
     def attach(self, file: str | os.PathLike[str], artifact_path: str = REPORTS_FOLDER) -> None:
         """Upload `file` (inside the run folder) as an artifact of this run, once."""
@@ -353,7 +359,8 @@ def attach_report(
     folder = Path(run_dir) / REPORTS_FOLDER
     if isinstance(report, Mapping):
         target = folder / (name if name.endswith(".json") else f"{name}.json")
-        write_text_atomically(target, json.dumps(report, indent=2, default=str))
+        text = json.dumps(scrubbed(report), indent=2, default=str)
+        write_text_atomically(target, without_credentials(text))  # `default=str`'s text too
     else:
         source = Path(report)
         if not source.is_file():

@@ -9,6 +9,7 @@ sequence number `seq`; kinds: `run` (identity, first line), `params`, `tags`, `m
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import threading
@@ -17,12 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, TextIO
 
+from qwentitan.checkpoint.files import bounded_lines, open_regular
 from qwentitan.launch.base.errors import LaunchError
 
 log = logging.getLogger(__name__)
 
 # Spools live in RUN_DIR/SPOOL_FOLDER/<run key>.jsonl, one file per training process that logged.
 SPOOL_FOLDER = "mlflow_spool"
+# The longest spool line read; the longest the logger writes is the params record (at most
+# 6,000 characters per value, a few hundred values). A longer line is damaged, never held whole.
+MAX_LINE_BYTES = 16 << 20
 
 
 class SpoolWriter:
@@ -130,17 +135,24 @@ def load_spool(path: Path) -> Spool:
     sync-mlflow says it was left out. The first line must be the run record, which names the
     run.
     """
-    lines = path.read_bytes().split(b"\n")
-    if not lines[-1]:
-        lines.pop()  # after the last newline
     records: list[dict[str, Any]] = []
     damaged: list[int] = []
-    for number, line in enumerate(lines, start=1):
-        record = _record(line)
-        if record is None:
-            damaged.append(number)
-        else:
-            records.append(record)
+    try:
+        stream = open_regular(path)
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise
+        raise LaunchError(
+            f"{path} is {error.strerror}; sync-mlflow reads spool files only, move it out of "
+            f"{SPOOL_FOLDER}/ and run sync-mlflow again."
+        ) from None
+    with stream:
+        for number, line in enumerate(bounded_lines(stream, MAX_LINE_BYTES), start=1):
+            record = _record(line) if line is not None else None
+            if record is None:
+                damaged.append(number)
+            else:
+                records.append(record)
     if not records or records[0]["kind"] != "run" or 1 in damaged:
         raise LaunchError(
             f"{path} does not start with a run record, so it is not an MLflow spool written by "
@@ -158,7 +170,7 @@ def read_spool(path: Path) -> list[dict[str, Any]]:
 def _record(line: bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(line.decode("utf-8"))
-    except ValueError:  # not UTF-8, or not JSON
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or JSON Python cannot read
         return None
     if not isinstance(record, dict) or not isinstance(record.get("seq"), int):
         return None
@@ -220,8 +232,8 @@ def _sound(record: dict[str, Any]) -> bool:
 
 def find_spools(run_dir: Path) -> list[Path]:
     """The spool files of a run folder (or the one file given), oldest first."""
-    if run_dir.is_file():
-        return [run_dir]
+    if run_dir.is_file() or (run_dir.exists() and not run_dir.is_dir()):
+        return [run_dir]  # a FIFO or device given by name: `load_spool` says what it is
     if not run_dir.is_dir():
         raise LaunchError(
             f"{run_dir} does not exist; give sync-mlflow the training run's folder "

@@ -16,7 +16,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,31 @@ REQUEST_TIMEOUT_S = 10
 def resolve_tracking_uri(configured: str | None = None) -> str:
     """The given URI, else the default: `$MLFLOW_TRACKING_URI`, else `<cwd>/mlflow.db`."""
     return configured or env_defaults.tracking_uri()
+
+
+# `scheme://` then the address's user and password up to its last `@` before the host ends
+# (a password may hold a raw `@`; urllib splits there too).
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#\s'\"<>@]*(?:@[^/?#\s'\"<>@]*)*@")
+
+
+def without_credentials(text: str) -> str:
+    """`text` with the user and password taken out of every address in it:
+    `http://user:pw@host/` -> `http://host/`. The one filter for whatever shows or stores a
+    tracking URI (console, spool, resolved config, reports, MLflow params and tags); only the
+    MLflow client itself gets the address as given."""
+    return _USERINFO.sub(r"\1", text)
+
+
+def scrubbed(value: Any) -> Any:
+    """A copy of a JSON-like `value` (dicts, lists, tuples, strings) with `without_credentials`
+    applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return without_credentials(value)
+    if isinstance(value, Mapping):
+        return {scrubbed(k): scrubbed(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [scrubbed(v) for v in value]
+    return value
 
 
 def bounded_http(timeout_s: int = REQUEST_TIMEOUT_S) -> dict[str, str]:
@@ -282,7 +307,8 @@ def sync_run_dir(
                 done = replay(targets[uri], records, base, unfinished=UNFINISHED_STATUS)
         except (MlflowException, RequestException) as error:
             raise LaunchError(
-                f"MLflow at {uri} cannot be used ({_reason(error)}; each request waits at most "
+                f"MLflow at {without_credentials(uri)} cannot be used ({_reason(error)}; each "
+                f"request waits at most "
                 f"{REQUEST_TIMEOUT_S} s, retried twice); start the tracking server or pass "
                 "--tracking-uri, then run sync-mlflow again (the spool is kept)."
             ) from None
@@ -309,7 +335,7 @@ def _one_writer(uri: str) -> Iterator[None]:
 
 def _reason(error: Exception) -> str:
     """A few words for what went wrong (MLflow's own text runs to several lines)."""
-    text = str(error)
+    text = without_credentials(str(error))
     if code := re.search(r"error code (\d+)", text):
         return f"it answered HTTP {code.group(1)}"
     for words, reason in (

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qwentitan.launch.base.target import PRICE_AS_OF, PRICE_SOURCE, TARGETS
+from qwentitan.launch.tracking.store import without_credentials
 
 # torchtitan 0.3.0 key (components/metrics.py, trainer.py) -> MLflow key.
 RENAMES: dict[str, str] = {
@@ -188,11 +189,12 @@ def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | No
             )
         )
     else:
-        rows.append(("MLflow run", f"{mlflow['run_id']} in {mlflow['tracking_uri']}"))
+        uri = without_credentials(str(mlflow["tracking_uri"]))  # a report written before the filter
+        rows.append(("MLflow run", f"{mlflow['run_id']} in {uri}"))
         rows.append(
             (
                 "open it",
-                f"uv run mlflow ui --backend-store-uri {mlflow['tracking_uri']}  then "
+                f"uv run mlflow ui --backend-store-uri {uri}  then "
                 f"http://127.0.0.1:5000/#/runs/{mlflow['run_id']}",
             )
         )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qwentitan.launch.tracking.spool import read_spool
-from qwentitan.launch.tracking.store import MlflowTarget, Point, replay
+from qwentitan.launch.tracking.store import MlflowTarget, Point, replay, without_credentials
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,10 @@ class BackgroundWriter:
         self.run_id = done.run_id
         self.sent_seq = done.last_seq
         if self.error is not None:
-            log.warning("MLflow at %s is reachable again; the gap was filled.", self.tracking_uri)
+            log.warning(
+                "MLflow at %s is reachable again; the gap was filled.",
+                without_credentials(self.tracking_uri),
+            )
             self.error = None
         self._online = True
 
@@ -134,9 +137,9 @@ class BackgroundWriter:
             log.warning(
                 "MLflow at %s failed (%s: %s); training goes on and every metric stays in %s. "
                 "Replay it later with `qwentitan-launch sync-mlflow %s`.",
-                self.tracking_uri,
+                without_credentials(self.tracking_uri),
                 type(error).__name__,
-                str(error).splitlines()[0][:200] if str(error) else "",
+                without_credentials(str(error).splitlines()[0])[:200] if str(error) else "",
                 self.spool_path,
                 self.run_dir,
             )

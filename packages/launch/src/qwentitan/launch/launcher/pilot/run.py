@@ -37,7 +37,7 @@ from qwentitan.launch.launcher.plan_cli import LAYOUT
 from qwentitan.launch.launcher.request import RunRequest
 from qwentitan.launch.launcher.supervisor import SignalForwarder, ranks_of
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
-from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms
+from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms, without_credentials
 
 PILOT_EXPERIMENT = "qwentitan-pilot"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `uv run nox -s mlflow_ui` serves a local store
@@ -281,6 +281,7 @@ def _report(
     if failed:
         print(f"pilot: the {', '.join(failed)} run(s) failed to train (see their log above)")
     trained = [runs[c] for c in children if c in runs]
+    uri = without_credentials(uri)  # shown and returned: the address without user and password
     url = compare_url(uri, experiment_id, trained)
     losses_page = loss_url(uri, experiment_id, trained)
     print(f"pilot: parent run {parent} in {uri}; curves in {plot}")

@@ -9,19 +9,24 @@ parsed: a 1 GiB c4-style file takes about 4 s (measured: `json.loads` per line b
 The rules, in this one place: blank lines and documents whose `text` is empty are skipped (they
 hold no token to train on: Qwen3 adds no BOS, and the EOS is only ever a target); a line that
 is not UTF-8 JSON holding a `text` string, or whose text pyarrow cannot store (a lone UTF-16
-surrogate, which Python's `json` accepts), is refused by file and line. A dataset too small for
+surrogate, which Python's `json` accepts), is refused by file and line, and so is a line longer
+than `MAX_LINE_BYTES` (read through, never held whole) or one Python's JSON reader cannot
+take (nested too deep, an integer of more than 4,300 digits). Only regular files are read: a
+FIFO would block the check for ever and a link to /dev/zero is one endless line. A dataset too small for
 the run is refused too (`check_dataset`): a slice (training, or the held-out validation one)
 that holds no document would otherwise re-loop over nothing forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from qwentitan.checkpoint.files import bounded_lines, open_regular
 from qwentitan.launch.base.errors import LaunchError
 
 
@@ -35,6 +40,10 @@ class _Source(Protocol):
 __all__ = ["check_dataset", "check_json_lines", "minimum_documents", "read_documents"]
 
 _FIX = 'write one {"text": ...} object per line (c4 style), UTF-8'
+
+# The longest line read: 64 times the longest Wikipedia article's wikitext (about 1 MiB); a
+# longer line is refused, not held in memory.
+MAX_LINE_BYTES = 64 << 20
 
 
 def minimum_documents(holdout_every: int, *, validating: bool) -> int:
@@ -84,7 +93,9 @@ def read_documents(file: Path) -> Iterator[str]:
     LaunchError naming the file and line for the first line that breaks them."""
     try:
         with _open(file) as stream:
-            for number, raw in enumerate(stream, start=1):
+            for number, raw in enumerate(bounded_lines(stream, MAX_LINE_BYTES), start=1):
+                if raw is None:
+                    raise _bad_line(file, number, f"is longer than {MAX_LINE_BYTES >> 20} MiB")
                 text = _document(file, number, raw)
                 if text:
                     yield text
@@ -97,8 +108,14 @@ def read_documents(file: Path) -> Iterator[str]:
         ) from None
 
 
-def _open(file: Path) -> BinaryIO:
-    return gzip.open(file, "rb") if file.name.endswith(".gz") else open(file, "rb")
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator[BinaryIO]:
+    with open_regular(file) as raw:
+        if file.name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+                yield unzipped  # type: ignore[misc]
+        else:
+            yield raw
 
 
 def _document(file: Path, number: int, raw: bytes) -> str:
@@ -116,6 +133,10 @@ def _document(file: Path, number: int, raw: bytes) -> str:
     except json.JSONDecodeError as error:
         reason = f"{error.msg.removesuffix(' at')} at column {error.colno}"
         raise _bad_line(file, number, f"is not JSON ({reason})") from None
+    except RecursionError:
+        raise _bad_line(file, number, "nests deeper than Python's JSON reader goes") from None
+    except ValueError as error:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise _bad_line(file, number, f"is not JSON Python can read ({_first(error)})") from None
     if not isinstance(value, dict) or not isinstance(text := value.get("text"), str):
         raise _bad_line(file, number, "has no `text` string")
     try:
@@ -128,6 +149,10 @@ def _document(file: Path, number: int, raw: bytes) -> str:
             "which is not Unicode text",
         ) from None
     return text
+
+
+def _first(error: Exception) -> str:
+    return str(error).split(";")[0].splitlines()[0][:120] if str(error) else type(error).__name__
 
 
 def _bad_line(file: Path, number: int, what: str) -> LaunchError:

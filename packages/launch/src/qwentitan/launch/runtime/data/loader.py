@@ -39,6 +39,7 @@ from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
 from torchtitan.tools.logging import logger
 
+from qwentitan.checkpoint.files import file_kind
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.runtime.data.check import read_documents
 from qwentitan.launch.runtime.data.corpus import offline_corpus
@@ -87,7 +88,7 @@ def resolve_dataset(spec: str) -> DataSource:
                     'lines ({"text": ...} per line) or pass another {dataset}.',
                     field="dataset",
                 )
-        elif path.is_file():
+        elif path.exists():
             files = [path]
         else:
             raise LaunchError(
@@ -95,10 +96,28 @@ def resolve_dataset(spec: str) -> DataSource:
                 f"a Hugging Face dataset name, or {{dataset}} {OFFLINE}.",
                 field="dataset",
             )
+        for file in files:
+            _check_regular(file)
         return DataSource(name=str(path), files=tuple(str(p.resolve()) for p in files))
     if spec in DATASETS:  # torchtitan's own names: c4, c4_test, c4_validation
         return DataSource(name=spec)
     return DataSource(name=spec, hub=spec)
+
+
+def _check_regular(file: Path) -> None:
+    """Only regular files are data: a FIFO would block every reader, a device never ends."""
+    try:
+        kind = file_kind(file.stat().st_mode)
+    except FileNotFoundError:
+        kind = "a link to a missing file"
+    except OSError as error:  # a link loop, a folder without permission
+        kind = f"unreadable ({error.strerror or error})"
+    if kind is not None:
+        raise LaunchError(
+            f"Dataset file {file} is {kind}, not a regular file; replace it with a JSON-lines "
+            "file or pass another {dataset}.",
+            field="dataset",
+        )
 
 
 def _text(sample: dict[str, Any]) -> str:
