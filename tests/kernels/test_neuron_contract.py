@@ -249,3 +249,31 @@ def test_the_replacement_log_names_the_route(neuron, caplog):
     with caplog.at_level("INFO", logger="qwentitan.kernels"):
         apply_replacements({"rope": "torchtitan"}, [rule])
     assert "nki_rope  rope  (nki.jit on neuron, reference twin elsewhere)" in caplog.text
+
+
+def test_the_moe_backward_passes_shard_on_free_only_where_the_library_has_it(neuron, request):
+    args = experts_case()
+    _, gate_up_act, down_act = grouped_experts_reference(*args)
+    grad = torch.randn(64, 512)
+    grouped_experts_backward_nki(grad, *args[:4], gate_up_act, down_act, *args[4:])
+    (call,) = neuron["blockwise_mm_bwd"].nested_calls
+    options = sys.modules["nkilib.experimental.moe.bwd.moe_bwd_parameters"]
+    sharding = {k: call[k].name for k in ("shard_option", "affinity_option")}
+    print(f"\n{request.node.callspec.id}: blockwise_mm_bwd got {sharding}")
+    if hasattr(options.ShardOption, "SHARD_ON_FREE"):  # 092a49d: the options are validated
+        assert sharding == {"shard_option": "SHARD_ON_FREE", "affinity_option": "AFFINITY_ON_H"}
+    else:  # 2.29: the library's defaults, which it never reads
+        assert sharding == {"shard_option": "SHARD_ON_HIDDEN", "affinity_option": "AFFINITY_ON_H"}
+
+
+def test_the_newer_moe_backward_refuses_its_own_defaults(monkeypatch):
+    # Why the loader passes the options: 092a49d's defaults fail its own validation.
+    monkeypatch.setattr(nki_loader, "_cache", {})
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    fakes.install(monkeypatch, "092a49d")
+    monkeypatch.setattr(nki_loader, "moe_backward_sharding", lambda _: {})  # the old call
+    args = experts_case()
+    _, gate_up_act, down_act = grouped_experts_reference(*args)
+    grad = torch.randn(64, 512)
+    with pytest.raises(AssertionError, match="SHARD_ON_HIDDEN only supports AFFINITY_ON_I"):
+        grouped_experts_backward_nki(grad, *args[:4], gate_up_act, down_act, *args[4:])

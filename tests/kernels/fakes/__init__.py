@@ -29,10 +29,12 @@ def install(
 
     `host` is one of TORCH_NEURONX: the torch-neuronx stand-in and whether it has `wrap_nki`.
 
-    "2.27" has attention_cte only: rope_hf, attention_bwd and the MoE kernels arrived in
-    nki-library 2.28 (compare the release branches 2.27 and 2.28 of aws-neuron/nki-library).
+    `version` is "2.29", "092a49d" (nki-library's commit of about SDK 2.32, whose
+    blockwise_mm_bwd validates shard_option; see nkilib.GENERATIONS) or "2.27", which has
+    attention_cte only: rope_hf, attention_bwd and the MoE kernels arrived in nki-library 2.28
+    (compare the release branches 2.27 and 2.28 of aws-neuron/nki-library).
     """
-    library = nkilib.build()
+    library = nkilib.build("092a49d" if version == "092a49d" else "2.29")
     if version == "2.27":
         library = {k: v for k, v in library.items() if k.endswith("attention_cte")}
     modules: dict[str, types.ModuleType] = {}
