@@ -193,6 +193,8 @@ class LaunchPlan:
                 "name": getattr(spec, "name", None),
                 "flavor": getattr(spec, "flavor", None),
                 "params": self.model_shape.params if self.model_shape else None,
+                "experts": self.model_shape.experts if self.model_shape else None,
+                "top_k": self.model_shape.top_k if self.model_shape else None,
             },
             "config": {
                 "hf_assets_path": cfg.hf_assets_path,
