@@ -171,12 +171,28 @@ def test_compile_with_the_nki_kernels_on_neuron_is_refused_at_plan_time(capsys, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "nki_op" in err and "eager" in err and "drop --compile.enable" in err
+    assert "Neuron SDK 2.33" in err
     assert "(grouped_experts, rope)" in err
     # eager, or compiled with the reference twins (plain PyTorch ops), plans as before
     assert main(["plan", "--recipe", "qwen3_moe_kernels"]) == 0
     monkeypatch.setenv("QWENTITAN_KERNELS", "rope=reference,experts=reference")
     assert main(args) == 0
     assert "torch.compile, backend neuron" in capsys.readouterr().out
+
+
+def test_compile_with_the_nki_kernels_plans_where_torch_neuronx_has_nki_op(capsys, monkeypatch):
+    # A torch-neuronx with nki_op (SDK 2.33+): the ops' NKI implementations are registered
+    # through it, the documented way to run NKI kernels inside torch.compile(backend="neuron").
+    import types
+
+    monkeypatch.delenv("QWENTITAN_KERNELS", raising=False)
+    fake = types.ModuleType("torch_neuronx")
+    fake.__version__, fake.nki_op = "2.14.3.1", lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+    assert main(["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]) == 0
+    assert "torch.compile, backend neuron" in capsys.readouterr().out
+    del fake.nki_op  # an older torch-neuronx: refused as above
+    assert main(["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]) == 2
 
 
 @pytest.mark.parametrize("recipe", TRN2_RECIPES)

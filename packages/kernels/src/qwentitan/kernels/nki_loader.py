@@ -106,10 +106,28 @@ def launch_route() -> str:
     return ROUTE_WRAP_NKI
 
 
+def has_nki_op() -> bool:
+    """Whether this host's torch-neuronx has `nki_op`, the custom-op registration SDK 2.33
+    documents for NKI kernels inside `torch.compile(backend="neuron")`."""
+    try:
+        return hasattr(import_torch_neuronx(), "nki_op")
+    except KernelError:
+        return False
+
+
+def register_nki_ops() -> list[str]:
+    """Register the ops' NKI implementations through `nki_op` where torch-neuronx has it."""
+    from qwentitan.kernels import neuron_dispatch
+
+    return neuron_dispatch.register_nki_ops(import_torch_neuronx())
+
+
 def route_description() -> str:
     """What the replaced modules will launch through here, for the replacement log."""
     try:
-        return f"{launch_route()} on neuron, reference twin elsewhere"
+        route = launch_route()
+        registered = " as nki_op custom ops" if register_nki_ops() else ""
+        return f"{route}{registered} on neuron, reference twin elsewhere"
     except KernelError:
         return "reference twin (no torch-neuronx here)"
 
