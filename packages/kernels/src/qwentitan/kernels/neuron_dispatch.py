@@ -34,6 +34,8 @@ _NEURON_IMPLS = torch.library.Library("qwentitan", "IMPL")
 _registered: dict[str, Callable] = {}
 _nki_impls: dict[str, Callable] = {}
 _nki_ops: dict[str, Any] = {}  # op name -> its NKI implementation registered with nki_op
+# How to import torch_neuronx, set by nki_loader (which imports this module, not the reverse).
+torch_neuronx_loader: Callable[[], ModuleType] | None = None
 
 
 def register_neuron_impl(op_name: str, nki: Callable, reference: Callable) -> None:
@@ -44,10 +46,8 @@ def register_neuron_impl(op_name: str, nki: Callable, reference: Callable) -> No
         *op_args, use_nki = args
         if not use_nki:
             return reference(*op_args)
-        from qwentitan.kernels import nki_loader
-
         # Registered once per process, where this torch-neuronx has nki_op.
-        if op_name in nki_loader.register_nki_ops():
+        if torch_neuronx_loader is not None and op_name in register_nki_ops(torch_neuronx_loader()):
             return _nki_ops[op_name](*op_args)
         return nki(*op_args)
 

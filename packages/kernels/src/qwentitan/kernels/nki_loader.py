@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from qwentitan.kernels import neuron_dispatch
 from qwentitan.kernels.env import LNC_ENV, lnc_setting
 from qwentitan.kernels.errors import KernelError
 
@@ -117,9 +118,10 @@ def has_nki_op() -> bool:
 
 def register_nki_ops() -> list[str]:
     """Register the ops' NKI implementations through `nki_op` where torch-neuronx has it."""
-    from qwentitan.kernels import neuron_dispatch
-
     return neuron_dispatch.register_nki_ops(import_torch_neuronx())
+
+
+neuron_dispatch.torch_neuronx_loader = import_torch_neuronx
 
 
 def route_description() -> str:
