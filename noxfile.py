@@ -266,8 +266,9 @@ def train_trn2(session: nox.Session) -> None:
     installs qwentitan into an environment of its own, `--env E` (default .venv-trn2 here), that
     sees V's packages and holds only what V lacks, writing nothing into V
     (scripts/neuron_venv.py; `--stand-in` accepts a rehearsal venv without the Neuron SDK's
-    torch or torch-neuronx; `--shadow NAME` lets E hold its own NAME where qwentitan needs
-    another version than V's), then runs `qwentitan-launch run` with E's Python; `--dry-run`
+    torch or torch-neuronx; a package outside the Neuron stack that qwentitan needs at another
+    version than V's is held in E in front of V's without a flag, said in one line, and
+    `--shadow NAME` asks for it by name), then runs `qwentitan-launch run` with E's Python; `--dry-run`
     installs too and prints the plan, `--install-only` stops after the install. Without a
     Neuron venv it prints the plan from this workspace's environment and fails with one sentence
     (the CLI exits 2) unless `--dry-run`.

@@ -36,6 +36,7 @@ class Resolution:
     requirements: Path
     ours: list[str] = field(default_factory=lambda: list(QWENTITAN))
     shadowed: list[tuple[str, str]] = field(default_factory=list)  # (name, V's version)
+    automatic: list[str] = field(default_factory=list)  # names shadowed without --shadow
 
 
 def uv(*args: str, capture: bool = False) -> str:
@@ -103,12 +104,32 @@ _NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)")
 _DEPENDS = re.compile(r"(\S+) depends? on ([A-Za-z0-9][\w.-]*?)(?:\[[^\]]*\])?([<>=!~]\S*)")
 
 
-def conflict(stderr: str, pinned: dict[str, str], venv: Path, in_venv: set[str]) -> str:
-    """uv's failed resolution as one sentence: the package, who needs what, what V holds, the fix."""
-    clauses = [
+def _clauses(stderr: str) -> list[tuple[str, str, str, str]]:
+    """(who, normalized name, name, spec) of each "X depends on NAME SPEC" uv explains."""
+    return [
         (who, SDK["normalize"](name), name, spec.rstrip(",."))
         for who, name, spec in _DEPENDS.findall(" ".join(stderr.split()))
     ]
+
+
+def conflicting(stderr: str, pinned: dict[str, str]) -> str | None:
+    """The normalized name of the pinned package uv's failed resolution needs otherwise."""
+    needs = [c for c in _clauses(stderr) if c[1] in pinned and c[3] != f"=={pinned[c[1]]}"]
+    return needs[-1][1] if needs else None
+
+
+def conflict(
+    stderr: str,
+    pinned: dict[str, str],
+    venv: Path,
+    in_venv: set[str],
+    constrained_by: list[str] = (),
+) -> str:
+    """uv's failed resolution as one sentence: the package, who needs what, what V holds, the fix.
+
+    `constrained_by`: what V's own packages require of it, which kept the trn2 environment from
+    holding another version in front of V's."""
+    clauses = _clauses(stderr)
     # The needs on a pinned package other than the pin itself, which uv restates as a need.
     needs = [c for c in clauses if c[1] in pinned and c[3] != f"=={pinned[c[1]]}"]
     if not needs:
@@ -124,6 +145,13 @@ def conflict(stderr: str, pinned: dict[str, str], venv: Path, in_venv: set[str])
     needer = who + (f" (required by {via})" if via else "")
     if SDK["is_protected"](name):
         fix = f"install the documented Neuron SDK stack in {venv} (README, 'On the trn2 host')"
+    elif constrained_by and key in in_venv:
+        return (
+            f"{name} conflicts: {needer} needs {name}{spec}, but the Neuron venv {venv} holds "
+            f"{name} {pinned[key]} and its {', '.join(constrained_by)} rule out any other, so the "
+            f"trn2 environment cannot hold its own; install a {name} that both accept in the "
+            "venv, or report it."
+        )
     else:
         fix = (
             f"pass --shadow {name} to let the trn2 environment hold its own {name} in front of "
@@ -178,13 +206,69 @@ def check_shadow(asked: list[str], dists: dict[str, dict], venv: Path) -> list[s
     return keys
 
 
+def constraints_on(dists: dict[str, dict], key: str) -> list[str]:
+    """ "DIST (REQUIREMENT)" for each distribution of V that requires `key` with a version range."""
+    return [
+        f"{dist['name']} ({requirement})"
+        for dist in dists.values()
+        for requirement in requirements_on({"-": dist}, key)
+        if re.search(r"[<>=!~]", requirement)
+    ]
+
+
 def resolve(
     tmp: Path, env_python: Path, dists: dict[str, dict], venv: Path, asked: list[str] = ()
 ) -> Resolution:
     """Resolve qwentitan's wheels for E's Python with V's distributions fixed, except the
-    normalized names `asked` (checked by `check_shadow`); E's list."""
-    asked = list(asked)
+    normalized names `asked` (checked by `check_shadow`); E's list.
+
+    A conflict on a package of V outside the Neuron stack is shadowed without a flag: the
+    resolution runs again with E free to hold its own version, still within everything V's
+    packages require of it (`_constraints`), so V's torch, torch-neuronx, neuronx-cc and nki keep
+    accepting what they import. Where those requirements leave no version, the first conflict is
+    the one sentence, naming them."""
     wheels = build_wheels(tmp / "wheels")
+    automatic: list[str] = []
+    first: dict[str, _Unresolved] = {}  # each automatic shadow's conflict, for the sentence
+    while True:
+        shadow_keys = [*asked, *automatic]
+        try:
+            plan = _resolve_once(tmp, env_python, dists, venv, shadow_keys, wheels)
+        except _Unresolved as failed:
+            key = conflicting(failed.stderr, failed.pinned)
+            movable = key in dists and not SDK["is_protected"](key) and key not in shadow_keys
+            if movable:
+                first[key] = failed
+                automatic.append(key)
+                continue
+            if key is None and automatic:  # E may hold its own, but V's packages pin it
+                last = automatic[-1]
+                cause = first[last]
+                needs = constraints_on(dists, last) or [f"requirements on {last}"]
+                raise InstallError(
+                    conflict(cause.stderr, cause.pinned, venv, set(dists), needs)
+                ) from None
+            print(failed.stderr.strip(), flush=True)
+            raise InstallError(conflict(failed.stderr, failed.pinned, venv, set(dists))) from None
+        plan.automatic = [dists[k]["name"] for k in automatic]
+        return plan
+
+
+class _Unresolved(Exception):
+    def __init__(self, stderr: str, pinned: dict[str, str]) -> None:
+        super().__init__(stderr)
+        self.stderr, self.pinned = stderr, pinned
+
+
+def _resolve_once(
+    tmp: Path,
+    env_python: Path,
+    dists: dict[str, dict],
+    venv: Path,
+    asked: list[str],
+    wheels: list[Path],
+) -> Resolution:
+    """One `uv pip compile` with V's distributions fixed except `asked`; _Unresolved if none."""
     shadow = shadowed(dists) | {key: dists[key]["version"] for key in asked}
     offered = {key: dist for key, dist in dists.items() if key not in shadow}
     pinned = {key: dist["version"] for key, dist in offered.items()}
@@ -194,15 +278,15 @@ def resolve(
     (tmp / "wheels.txt").write_text("".join(f"{n} @ {w.as_uri()}\n" for n, w in ordered))
     resolved = tmp / "resolved.txt"  # what it holds, uv prefers: V's versions of what E may shadow
     resolved.write_text("".join(f"{dists[k]['name']}=={dists[k]['version']}\n" for k in asked))
+    index = tmp / f"index-{len(asked)}"
     done = subprocess.run(
         ["uv", "pip", "compile", "--python", str(env_python), "--quiet", "--no-header",
-         "--no-annotate", "--index", local_index(tmp / "index", offered),
+         "--no-annotate", "--index", local_index(index, offered),
          "-c", str(tmp / "constraints.txt"), str(tmp / "wheels.txt"), "-o", str(resolved)],
         cwd=ROOT, text=True, capture_output=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
-        print(done.stderr.strip(), flush=True)
-        raise InstallError(conflict(done.stderr, pinned, venv, set(dists)))
+        raise _Unresolved(done.stderr, pinned)
     lines = [line.strip() for line in resolved.read_text().splitlines()]
     lines = [line for line in lines if line and not line.startswith(("#", "-"))]
     keep = [line for line in lines if SDK["normalize"](_NAME.match(line).group(1)) not in offered]

@@ -19,7 +19,10 @@ What it does, and why each step:
    at V's version only, with V's own metadata, and pinned by a constraint; transformers is the
    AWS guide's 5.16.0 where V has none. The exceptions are torchtitan, unless V's is upstream
    0.3.0 (AWS's fork stays in V for AWS's tutorials, shadowed in E), and qwentitan's own wheels.
-   A conflict is refused naming the package, who needs which version and the fix.
+   A conflict on a package outside the Neuron stack is resolved again with E holding its own
+   version in front of V's, within what V's packages require of it, and said in one line; a
+   conflict that leaves no such version (or on the Neuron stack itself) is refused naming the
+   package, who needs which version and the fix.
 4. Installs exactly what V lacks into E (`uv pip sync`: nothing resolved on top, and what an
    earlier install left in E and is no longer needed is removed).
 5. Checks that V's distributions are unchanged (versions and RECORD digests) and that E's
@@ -288,6 +291,7 @@ def install(venv: Path, env: Path, *, stand_in: bool = False, shadow: list[str] 
         "found": describe(before),
         "held": held,
         "shadowed": [(n, v, version_of(env_found, n)) for n, v in plan.shadowed],
+        "automatic": [(n, version_of(before, n), version_of(env_found, n)) for n in plan.automatic],
         "numpy": version_of(env_found, "numpy"),
         "seconds": round(time.perf_counter() - start, 1),
     }
@@ -309,6 +313,11 @@ def report(done: dict) -> str:
         f"lacks, installed in {done['seconds']} s; it imports the Neuron venv's packages "
         f"({done['found']}, numpy {done['numpy']}), unchanged"
         + (f"; {shadowed}" if shadowed else "")
+        + "".join(
+            f"\ntrn2 environment shadows {name} without --shadow: its {mine} in front of the "
+            f"Neuron venv's {theirs}, which qwentitan cannot use and the venv's packages do not pin"
+            for name, theirs, mine in done.get("automatic", ())
+        )
         + f"\ntrn2 environment holds: {', '.join(done['held'])}"
     )
 
@@ -323,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--shadow", action="append", default=[], metavar="NAME", help="let the environment hold "
-        "its own NAME in front of the venv's, where qwentitan needs another version (repeatable)"
+        "its own NAME in front of the venv's, where qwentitan needs another version (repeatable; "
+        "a conflict outside the Neuron stack is shadowed without it)"
     )  # fmt: skip
     args = parser.parse_args(argv)
     venv = args.venv or default_venv()

@@ -163,7 +163,8 @@ needs_312 = pytest.mark.skipif(pyenv_python("3.12") is None, reason="needs a Pyt
 def neuron_venv(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("trn2-host")
     # fsspec: the newest release when this was written, which PyPI's torch brings along and
-    # torchtitan 0.3.0 (datasets<4.8, fsspec<=2026.2.0) does not accept: E holds its own.
+    # torchtitan 0.3.0 (datasets<4.8, fsspec<=2026.2.0) does not accept: E holds its own,
+    # without --shadow, since no package of V pins it (torch asks for any fsspec).
     return make_venv(
         where, pyenv_python("3.12"), "torch==2.14.0", "numpy==1.26.4", "fsspec==2026.9.0"
     )
@@ -171,12 +172,13 @@ def neuron_venv(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def trn2_install(neuron_venv, tmp_path_factory) -> dict:
-    """One `train_trn2 --dry-run` beside V: its output, V before and after, E."""
+    """One `train_trn2 --stand-in --dry-run` beside V, no --shadow: its output, V before and
+    after, E."""
     env = tmp_path_factory.mktemp("trn2-env") / "env"
     before = tree_digest(neuron_venv)
     start = time.perf_counter()
     done = nox_train_trn2(
-        "--neuron-venv", str(neuron_venv), "--env", str(env), "--shadow", "fsspec",
+        "--neuron-venv", str(neuron_venv), "--env", str(env), "--stand-in",
         "--recipe", "qwen3_4b_hf", "--dry-run",
     )  # fmt: skip
     seconds = time.perf_counter() - start
@@ -202,6 +204,10 @@ def test_the_dry_run_installs_beside_the_neuron_venv_and_prints_the_plan(trn2_in
     assert "torch-neuronx 2.14.3.1" in out  # it names the Neuron stack it found
     assert "comes before the Neuron venv's torchtitan 0.2.2+neuron.1 (AWS's fork" in out
     assert "comes before the Neuron venv's fsspec 2026.9.0" in out
+    # fsspec conflicts, and no package of V pins it: shadowed without a flag, in one line
+    (line,) = [line for line in out.splitlines() if "without --shadow" in line]
+    assert line.startswith("trn2 environment shadows fsspec without --shadow: its 2026.")
+    assert "the Neuron venv's 2026.9.0" in line
     assert "qwen3_4b_hf" in out and "trn2.48xlarge" in out  # the plan
 
 
@@ -402,10 +408,12 @@ def test_an_env_folder_that_is_not_an_earlier_install_or_overlaps_the_venv_is_re
 @pytest.mark.slow
 @needs_uv
 @needs_312
-def test_a_package_the_neuron_venv_holds_at_a_version_qwentitan_refuses_is_named(tmp_path):
+def test_a_package_the_neuron_stack_pins_at_a_version_qwentitan_refuses_is_named(tmp_path):
+    # rich: qwentitan's dependencies need rich>=13, the venv holds 12.0.0, and its torch-neuronx
+    # (a stand-in) requires rich<13: E cannot hold its own, so the install stops in one sentence.
     stand_ins = {
         "torch": ("2.14.0", ("torch",), ()),
-        "torch-neuronx": STAND_INS["torch-neuronx"],
+        "torch-neuronx": (*STAND_INS["torch-neuronx"][:2], ("rich<13",)),
         "rich": ("12.0.0", ("rich",), ()),
     }
     venv = make_venv(tmp_path, pyenv_python("3.12"), stand_ins=stand_ins)
@@ -417,7 +425,8 @@ def test_a_package_the_neuron_venv_holds_at_a_version_qwentitan_refuses_is_named
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("neuron venv: rich conflicts:"), done.stderr[-2000:]
     assert "needs rich>=13" in last and "rich 12.0.0" in last and str(venv) in last
-    assert "--shadow rich" in last
+    assert "torch-neuronx (rich<13)" in last and "--shadow" not in last
+    assert last.count(". ") == 0, "one sentence"
     assert tree_digest(venv) == before
 
 

@@ -248,4 +248,75 @@ def test_the_replacement_log_names_the_route(neuron, caplog):
     rule = ReplacementRule("rope", lambda c: "kernel", "nki_rope", op="rope", use_nki=True)
     with caplog.at_level("INFO", logger="qwentitan.kernels"):
         apply_replacements({"rope": "torchtitan"}, [rule])
-    assert "nki_rope  rope  (nki.jit on neuron, reference twin elsewhere)" in caplog.text
+    assert "nki_rope  rope  (nki.jit as nki_op custom ops on neuron, reference twin elsewhere)" in (
+        caplog.text
+    )
+
+
+def test_the_moe_backward_passes_shard_on_free_only_where_the_library_has_it(neuron, request):
+    args = experts_case()
+    _, gate_up_act, down_act = grouped_experts_reference(*args)
+    grad = torch.randn(64, 512)
+    grouped_experts_backward_nki(grad, *args[:4], gate_up_act, down_act, *args[4:])
+    (call,) = neuron["blockwise_mm_bwd"].nested_calls
+    options = sys.modules["nkilib.experimental.moe.bwd.moe_bwd_parameters"]
+    sharding = {k: call[k].name for k in ("shard_option", "affinity_option")}
+    print(f"\n{request.node.callspec.id}: blockwise_mm_bwd got {sharding}")
+    if hasattr(options.ShardOption, "SHARD_ON_FREE"):  # 092a49d: the options are validated
+        assert sharding == {"shard_option": "SHARD_ON_FREE", "affinity_option": "AFFINITY_ON_H"}
+    else:  # 2.29: the library's defaults, which it never reads
+        assert sharding == {"shard_option": "SHARD_ON_HIDDEN", "affinity_option": "AFFINITY_ON_H"}
+
+
+def test_the_newer_moe_backward_refuses_its_own_defaults(monkeypatch):
+    # Why the loader passes the options: 092a49d's defaults fail its own validation.
+    monkeypatch.setattr(nki_loader, "_cache", {})
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    fakes.install(monkeypatch, "092a49d")
+    monkeypatch.setattr(nki_loader, "moe_backward_sharding", lambda _: {})  # the old call
+    args = experts_case()
+    _, gate_up_act, down_act = grouped_experts_reference(*args)
+    grad = torch.randn(64, 512)
+    with pytest.raises(AssertionError, match="SHARD_ON_HIDDEN only supports AFFINITY_ON_I"):
+        grouped_experts_backward_nki(grad, *args[:4], gate_up_act, down_act, *args[4:])
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops dispatched inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("host", ["documented", "documented-without-nki_op"])
+def test_the_neuron_implementations_run_through_nki_op_where_torch_neuronx_has_it(
+    monkeypatch, host
+):
+    from qwentitan.kernels import neuron_dispatch
+
+    monkeypatch.setattr(nki_loader, "_cache", {})
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    neuron = fakes.install(monkeypatch, host=host)
+    q, k = torch.randn(1, 256, 2, 16), torch.randn(1, 256, 2, 16)
+    cache = rope_cache(256, 16)
+    with _Ops() as seen:
+        got = neuron_dispatch.neuron_impl("rope")(q, k, cache, True)
+    for g, w in zip(got, rope_reference(q, k, cache), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert neuron["rope_hf"].calls, "the NKI kernel ran"
+    through = "qwentitan_nki.rope" in seen.names
+    assert nki_loader.has_nki_op() == through == (host == "documented"), seen.names
+    if through:  # every op, each with the schema of its qwentitan:: op but use_nki
+        assert nki_loader.register_nki_ops() == [
+            "causal_attention", "causal_attention_backward", "grouped_experts",
+            "grouped_experts_backward", "rope", "rope_backward",
+        ]  # fmt: skip
+        schema = str(torch.ops.qwentitan_nki.rope.default._schema)
+        assert schema == (
+            "qwentitan_nki::rope(Tensor query, Tensor key, Tensor rope_cache) -> (Tensor, Tensor)"
+        )

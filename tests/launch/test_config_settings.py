@@ -102,6 +102,7 @@ def test_one_registry_names_every_recipe_and_its_path():
         "qwen3_4b_hf",
         "qwen3_4b_native",
         "qwen3_8b_tp4_fsdp16_sac",
+        "qwen3_30b_a3b_tp4_fsdp16",
         "qwen3_moe_kernels",
     }
     # the pilot's pairs name registered recipes, each on the path its child run is named for
@@ -115,7 +116,10 @@ def test_one_registry_names_every_recipe_and_its_path():
         assert config.metrics.mlflow.path == recipes.recipe_info(name).path, name
     assert plan.default_instance("qwen3_4b_hf") == "trn2.48xlarge"
     assert plan.default_instance("tiny_dense") in ("cpu", "cuda")
-    with pytest.raises(LaunchError, match="Unknown recipe 'tiny_gpt'; choose one of qwen3_4b_hf"):
+    with pytest.raises(
+        LaunchError,
+        match="Unknown recipe 'tiny_gpt'; choose one of qwen3_30b_a3b_tp4_fsdp16, qwen3_4b_hf",
+    ):
         recipes.recipe_info("tiny_gpt")
 
 

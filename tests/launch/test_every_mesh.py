@@ -250,11 +250,12 @@ def test_torchtitans_pipeline_hint_is_dropped_since_the_console_shows_the_last_s
 
 
 # The mesh pilot's short version (CI): 3 steps of 8 windows of 64 tokens. Its pairs cover FSDP x
-# TP (4 ranks) against 1 rank, and EP on the kernel experts against tiny_moe's FSDP 2; a third,
+# TP (4 ranks) against 1 rank, EP on the kernel experts against tiny_moe's FSDP 2, and tiny_moe
+# under FSDP 2 x TP 2 (the trn2 MoE recipe's mesh in small) against that same FSDP 2; a third,
 # TP 2 from the next seed (`--perturb`), must fail: the pilot can fail. (The
 # paths pilot's dense pair trains in tests/integration/test_mlflow_ui.py; its perturbed
 # checkpoint and the mesh pilot's failure sentence are tests/launch/test_pilot.py's.)
-CI_PAIRS = ("tiny_dense.fsdp2-tp2", "tiny_moe_kernels.ep2")
+CI_PAIRS = ("tiny_dense.fsdp2-tp2", "tiny_moe_kernels.ep2", "tiny_moe.fsdp2-tp2")
 PERTURBED = "tiny_dense.tp2"
 CI_STEPS = 3
 

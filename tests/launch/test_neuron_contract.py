@@ -196,6 +196,58 @@ def test_torchtitans_memory_monitor_reads_the_neuron_peak(neuron, monkeypatch):
     assert module.device_count() == 64  # everything else is TorchNeuron's own module
 
 
+_NESTED = {
+    "allocated_bytes": {"current": 3 * GIB, "peak": 5 * GIB},
+    "reserved_bytes": {"current": 0, "peak": 0},
+    "active_bytes": {"current": 3 * GIB, "peak": 5 * GIB},
+    "num_alloc_retries": 0,
+    "num_ooms": 0,
+}
+# torch.cuda's flat shape, which a torch-neuronx whose torch.accelerator memory functions work
+# (2.34.0 release notes) may give instead; reserved already includes allocated there.
+_FLAT = {
+    "allocated_bytes.all.current": 3 * GIB,
+    "allocated_bytes.all.peak": 5 * GIB,
+    "active_bytes.all.peak": 5 * GIB,
+    "reserved_bytes.all.current": 4 * GIB,
+    "reserved_bytes.all.peak": 6 * GIB,
+    "num_alloc_retries": 0,
+    "num_ooms": 0,
+}
+
+
+@pytest.mark.parametrize(
+    ("shape", "want"), [(_NESTED, (5 * GIB, 5 * GIB)), (_FLAT, (5 * GIB, 6 * GIB))]
+)
+def test_memory_figures_are_read_from_the_nested_and_the_flat_shape(shape, want):
+    from qwentitan.launch.runtime.neuron_runtime import flat_memory_stats
+
+    flat = flat_memory_stats(shape)
+    assert (flat["active_bytes.all.peak"], flat["reserved_bytes.all.peak"]) == want
+    assert (flat["num_alloc_retries"], flat["num_ooms"]) == (0, 0)
+
+
+def test_an_unknown_memory_shape_is_unknown_on_the_console_and_absent_from_mlflow(
+    neuron, monkeypatch, caplog
+):
+    from torchtitan.components import metrics
+
+    from qwentitan.launch.tracking.summary import step_values
+
+    fake = neuron()
+    fake.neuron.memory_stats = lambda device=None: {"bytes_in_use": 5 * GIB}  # a shape not known
+    module = get_platform("neuron").device_module
+    monkeypatch.setattr(metrics, "device_module", module)
+    monitor = object.__new__(metrics.DeviceMemoryMonitor)
+    monitor.device, monitor.device_capacity = "neuron:0", 24 * GIB
+    peak = monitor.get_peak_stats()
+    line = f"memory: {peak.max_reserved_gib:5.2f}GiB({peak.max_reserved_pct:.2f}%)"
+    assert line == "memory: unknownGiB(unknown%)", "torchtitan's console line"
+    logged = step_values({"memory/max_reserved(GiB)": peak.max_reserved_gib, "loss": 1.0}, 1)
+    assert not any(key.startswith("memory") for key in logged), logged
+    assert get_platform("neuron").memory_stats().peak_bytes == -1, "never 0"
+
+
 def test_the_per_core_peak_is_read_from_sysfs(tmp_path):
     from qwentitan.launch.runtime.neuron_runtime import sysfs_peak_bytes
 

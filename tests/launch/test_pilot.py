@@ -381,7 +381,7 @@ def test_the_mesh_pilot_trains_each_child_once_and_perturbs_only_the_one_named(
     assert dims == {c: wanted[c.split(".")[1]] for c in planned}
     assert {p.global_batch for p in planned.values()} == {8}  # on this host's 2 cores too
     argv = {command[command.index("--metrics.mlflow.run_name") + 1]: command for command in started}
-    assert len(argv) == len(started) == 13  # tiny_dense.1-rank is the baseline of four pairs
+    assert len(argv) == len(started) == 14  # tiny_dense.1-rank is the baseline of four pairs
     assert {name: a[a.index("--debug.seed") + 1] for name, a in argv.items()} == {
         name: "1" if name == "tiny_dense.tp2" else "0" for name in argv
     }

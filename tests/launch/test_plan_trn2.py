@@ -1,4 +1,4 @@
-"""The three trn2 recipes through the CLI: `plan --json`, refusals (exit 2), `run` off Trainium."""
+"""The trn2 recipes through the CLI: `plan --json`, refusals (exit 2), `run` off Trainium."""
 
 import json
 
@@ -40,6 +40,42 @@ def test_recipe_specifics(capsys):
     assert native["model"]["params"] == hf["model"]["params"]
     moe = plans["qwen3_moe_kernels"]
     assert moe["model"]["flavor"] == "qwen3-30b-a3b-4l" and not moe["config"]["compile"]
+
+
+def test_the_2_34_moe_recipe_plans_tp4_fsdp16_with_128_experts_top8_in_24_gib(capsys):
+    # AWS's MoE run of Neuron SDK 2.34 (torch-neuronx 2.34.0 release notes): Qwen3-30B-A3B at
+    # TP 4 x FSDP 16 on one trn2.48xlarge, torchtitan's grouped experts (the native path).
+    assert main(["plan", "--recipe", "qwen3_30b_a3b_tp4_fsdp16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    print(json.dumps({k: plan[k] for k in ("world_size", "parallelism", "model")}))
+    print(json.dumps(plan["memory_per_rank"]))
+    assert (plan["world_size"], plan["lnc"]) == (64, 2)
+    assert plan["parallelism"] == {
+        "fsdp": 16,
+        "dp_replicate": 1,
+        "tp": 4,
+        "cp": 1,
+        "pp": 1,
+        "ep": 1,
+    }
+    model = plan["model"]
+    assert (model["flavor"], model["experts"], model["top_k"]) == ("qwen3-30b-a3b", 128, 8)
+    assert model["params"] > 30e9
+    memory = plan["memory_per_rank"]
+    assert memory["available_gib"] == 24.0 and memory["fits"], memory
+    assert not plan["config"]["compile"] and plan["seq_len"] == 4096
+
+
+def test_the_2_34_moe_recipe_runs_torchtitans_grouped_experts_not_the_custom_op():
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from qwentitan.launch.launcher.plan import load_config
+    from qwentitan.launch.recipes import recipe_info
+
+    assert recipe_info("qwen3_30b_a3b_tp4_fsdp16").path == "native"
+    config = load_config("qwen3_30b_a3b_tp4_fsdp16", [])
+    inner = config.model_spec.model.layers[0].moe.routed_experts.inner_experts
+    assert type(inner) is GroupedExperts.Config, type(inner)  # torch._grouped_mm, no custom op
 
 
 @pytest.mark.parametrize(

@@ -214,7 +214,7 @@ def test_weights_checks_are_skipped_with_the_reason_where_the_plan_loads_no_weig
     checked = []
     # Only the weights checks run for real here; every other check passes at once.
     passing = lambda *a, **k: CheckResult("other", "pass", "ok")  # noqa: E731
-    for module in ("checks", "neuron_stack", "efa", "dataset", "init_ops"):
+    for module in ("checks", "neuron_stack", "host_os", "efa", "dataset", "init_ops"):
         for name in dir(getattr(preflight_run, module)):
             if name.startswith("check_"):
                 monkeypatch.setattr(getattr(preflight_run, module), name, passing)

@@ -103,6 +103,50 @@ def test_the_stack_is_only_reported_off_a_neuron_host(trn2_plan):
     assert result.status == "skip" and "torch-neuronx missing" in result.detail
 
 
+def _os_release(tmp_path: Path, version: str) -> Path:
+    path = tmp_path / f"os-release-{version}"
+    path.write_text(
+        f'NAME="Ubuntu"\nID=ubuntu\nVERSION_ID="{version}"\nPRETTY_NAME="Ubuntu {version} LTS"\n'
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("version", "packages", "status"),
+    [
+        ("26.04", "/home/ubuntu/neuron-venv/lib/python3.12/site-packages/torch_neuronx", "pass"),
+        ("24.04", "/home/ubuntu/neuron-venv/lib/python3.12/site-packages/torch_neuronx", "warn"),
+        ("24.04", "/opt/aws_neuronx_venv_torch_neuronx_2_14_0/lib/python3.12/site-packages/torch_neuronx", "pass"),
+    ],
+)  # fmt: skip
+def test_the_host_os_is_reported_and_a_manual_route_off_ubuntu_26_04_warns(
+    trn2_plan, tmp_path, version, packages, status
+):
+    from qwentitan.launch.launcher.preflight.host_os import check_host_os
+
+    release = _os_release(tmp_path, version)
+    result = check_host_os(
+        trn2_plan, on_neuron_host=True, os_release=release, origin=lambda: packages
+    )
+    assert result.status == status, result.detail
+    assert result.detail.startswith(f"Ubuntu {version} LTS")
+    assert result.figures["route"] == ("dlami" if packages.startswith("/opt/") else "manual")
+    if status == "warn":
+        assert "Ubuntu 26.04" in result.detail and "Deep Learning AMI" in result.detail
+    off_host = check_host_os(trn2_plan, on_neuron_host=False, os_release=release)
+    assert off_host.status == "skip" and f"Ubuntu {version} LTS" in off_host.detail
+
+
+def test_preflight_names_the_spmd_backend_and_the_forks_way(trn2_plan):
+    from qwentitan.launch.launcher.preflight.host_os import check_spmd_backend
+
+    result = check_spmd_backend(trn2_plan)
+    assert result.figures["spmd_backend"] == "spmd_types", "torchtitan 0.3.0's default is kept"
+    assert "--parallelism.spmd_backend partial_dtensor" in result.detail
+    hf = check_spmd_backend(resolve_plan(RunRequest(recipe="qwen3_4b_hf")))
+    assert hf.figures["spmd_backend"] == "partial_dtensor" and "--" not in hf.detail
+
+
 def test_the_versions_file_is_the_documented_matrix():
     assert neuron_sdk.python_supported((3, 12, 1)) and neuron_sdk.python_supported((3, 14, 0))
     assert not neuron_sdk.python_supported((3, 11, 7))
@@ -127,12 +171,28 @@ def test_compile_with_the_nki_kernels_on_neuron_is_refused_at_plan_time(capsys, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "nki_op" in err and "eager" in err and "drop --compile.enable" in err
+    assert "Neuron SDK 2.33" in err
     assert "(grouped_experts, rope)" in err
     # eager, or compiled with the reference twins (plain PyTorch ops), plans as before
     assert main(["plan", "--recipe", "qwen3_moe_kernels"]) == 0
     monkeypatch.setenv("QWENTITAN_KERNELS", "rope=reference,experts=reference")
     assert main(args) == 0
     assert "torch.compile, backend neuron" in capsys.readouterr().out
+
+
+def test_compile_with_the_nki_kernels_plans_where_torch_neuronx_has_nki_op(capsys, monkeypatch):
+    # A torch-neuronx with nki_op (SDK 2.33+): the ops' NKI implementations are registered
+    # through it, the documented way to run NKI kernels inside torch.compile(backend="neuron").
+    import types
+
+    monkeypatch.delenv("QWENTITAN_KERNELS", raising=False)
+    fake = types.ModuleType("torch_neuronx")
+    fake.__version__, fake.nki_op = "2.14.3.1", lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+    assert main(["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]) == 0
+    assert "torch.compile, backend neuron" in capsys.readouterr().out
+    del fake.nki_op  # an older torch-neuronx: refused as above
+    assert main(["plan", "--recipe", "qwen3_moe_kernels", "--", "--compile.enable"]) == 2
 
 
 @pytest.mark.parametrize("recipe", TRN2_RECIPES)

@@ -14,11 +14,12 @@ import pytest
 
 from . import language, nki, nkilib, torch_neuronx
 
-# How each torch-neuronx stand-in launches: (version, has wrap_nki).
+# How each torch-neuronx stand-in launches: (version, has wrap_nki, has nki_op).
 TORCH_NEURONX = {
-    "documented": (torch_neuronx.DOCUMENTED, False),
-    "documented-with-wrap_nki": (torch_neuronx.DOCUMENTED, True),
-    "april-source": (torch_neuronx.APRIL_SOURCE, True),
+    "documented": (torch_neuronx.DOCUMENTED, False, True),
+    "documented-with-wrap_nki": (torch_neuronx.DOCUMENTED, True, True),
+    "documented-without-nki_op": (torch_neuronx.DOCUMENTED, False, False),
+    "april-source": (torch_neuronx.APRIL_SOURCE, True, True),
 }
 
 
@@ -27,12 +28,15 @@ def install(
 ) -> dict[str, nki.JitKernel]:
     """Install the fakes; returns {kernel name: fake jit kernel} to inspect its calls.
 
-    `host` is one of TORCH_NEURONX: the torch-neuronx stand-in and whether it has `wrap_nki`.
+    `host` is one of TORCH_NEURONX: the torch-neuronx stand-in, whether it has `wrap_nki` and
+    whether it has `nki_op`.
 
-    "2.27" has attention_cte only: rope_hf, attention_bwd and the MoE kernels arrived in
-    nki-library 2.28 (compare the release branches 2.27 and 2.28 of aws-neuron/nki-library).
+    `version` is "2.29", "092a49d" (nki-library's commit of about SDK 2.32, whose
+    blockwise_mm_bwd validates shard_option; see nkilib.GENERATIONS) or "2.27", which has
+    attention_cte only: rope_hf, attention_bwd and the MoE kernels arrived in nki-library 2.28
+    (compare the release branches 2.27 and 2.28 of aws-neuron/nki-library).
     """
-    library = nkilib.build()
+    library = nkilib.build("092a49d" if version == "092a49d" else "2.29")
     if version == "2.27":
         library = {k: v for k, v in library.items() if k.endswith("attention_cte")}
     modules: dict[str, types.ModuleType] = {}
@@ -49,10 +53,9 @@ def install(
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "nki", nki)
     monkeypatch.setitem(sys.modules, "nki.language", language)
-    tnx_version, has_wrap_nki = TORCH_NEURONX[host]
-    monkeypatch.setitem(
-        sys.modules, "torch_neuronx", torch_neuronx.build(tnx_version, has_wrap_nki=has_wrap_nki)
-    )
+    tnx_version, has_wrap_nki, has_nki_op = TORCH_NEURONX[host]
+    fake = torch_neuronx.build(tnx_version, has_wrap_nki=has_wrap_nki, has_nki_op=has_nki_op)
+    monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return {

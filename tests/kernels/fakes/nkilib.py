@@ -1,8 +1,8 @@
 """Fake nki-library kernels: the real entry points' signatures, constraints and numbers.
 
 Each kernel keeps the parameter list of its nki-library namesake (aws-neuron/nki-library,
-`src/nkilib_src/nkilib/...`, releases 2.28 / 2.29 and main of April 2026) so TorchNeuron's
-caller fills the same defaults, asserts the constraints the kernel documents or validates,
+`src/nkilib_src/nkilib/...`, releases 2.28 / 2.29, main of April 2026 and, for
+`blockwise_mm_bwd`, commit 092a49d) so TorchNeuron's caller fills the same defaults, asserts the constraints the kernel documents or validates,
 and computes its result in float64 the way the library's own torch reference does:
 
 | kernel (module) | torch reference it is re-derived from |
@@ -30,9 +30,14 @@ import torch.nn.functional as F
 
 from . import language, nki
 
-# ShardOption of nki-library 2.28, 2.29 and main (April 2026),
-# experimental/moe/bwd/moe_bwd_parameters.py. blockwise_mm_bwd takes it and never reads it.
-SHARD_OPTIONS = ("AUTO", "SHARD_ON_HIDDEN", "SHARD_ON_INTERMEDIATE", "BASELINE_LNC1")
+# ShardOption of experimental/moe/bwd/moe_bwd_parameters.py per nki-library generation: 2.28,
+# 2.29 and main of April 2026 (blockwise_mm_bwd takes it and never reads it), and commit 092a49d
+# (about SDK 2.32; the kernel forwards it to MOEBwdParameters, which validates it).
+GENERATIONS = ("2.29", "092a49d")
+SHARD_OPTIONS = {
+    "2.29": ("AUTO", "SHARD_ON_HIDDEN", "SHARD_ON_INTERMEDIATE", "BASELINE_LNC1"),
+    "092a49d": ("SHARD_ON_FREE", "SHARD_ON_HIDDEN", "SHARD_ON_BLOCK"),
+}
 
 
 def _round(x: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
@@ -200,8 +205,8 @@ def _blocks(tpid, b2e, block_size):
         yield n, expert, tpid[n * block_size : (n + 1) * block_size].long()
 
 
-def build() -> dict[str, types.SimpleNamespace]:
-    """The fake library: {module path: namespace of its public names}."""
+def build(generation: str = "2.29") -> dict[str, types.SimpleNamespace]:
+    """The fake library of `generation` (GENERATIONS): {module path: namespace of its names}."""
 
     class MoECTEImplementation(enum.Enum):
         shard_on_block = 0
@@ -233,7 +238,7 @@ def build() -> dict[str, types.SimpleNamespace]:
         shard_on_block: object = None
         shard_on_I: ShardOnIConfig | None = None
 
-    ShardOption = enum.Enum("ShardOption", SHARD_OPTIONS, start=0)
+    ShardOption = enum.Enum("ShardOption", SHARD_OPTIONS[generation], start=0)
 
     class AffinityOption(enum.Enum):
         AFFINITY_ON_H = 0
@@ -312,8 +317,68 @@ def build() -> dict[str, types.SimpleNamespace]:
             return out.to(dtype), gate_up_t.to(dtype)
         return out.to(dtype), gate_up_t.to(dtype), down_act.to(dtype)
 
+    def bwd_numbers(args):
+        """The shared checks and float64 numbers of both generations' blockwise_mm_bwd."""
+        _, inter, affinity = _moe_inputs(
+            args["hidden_states"],
+            args["expert_affinities_masked"],
+            args["gate_up_proj_weight"],
+            args["down_proj_weight"],
+            args["token_position_to_id"],
+            args["block_to_expert"],
+            args["block_size"],
+        )
+        assert args["kernel_type_option"] == KernelTypeOption.DROPLESS and not args["bias"]
+        assert args["activation_type"] == ActFnType.SiLU and args["clamp_limits"] is None
+        hidden_states, grad_out = args["hidden_states"], args["output_hidden_states_grad"]
+        block_size, compute_dtype = args["block_size"], args["compute_dtype"]
+        hidden = hidden_states.shape[1]
+        assert grad_out.shape == hidden_states.shape
+        assert torch.all(grad_out[-1] == 0), "row T of dOut must be zero"
+        n = args["block_to_expert"].shape[0]
+        gate_up_ckpt, down_ckpt = (
+            args["gate_up_proj_act_checkpoint_T"],
+            args["down_proj_act_checkpoint"],
+        )
+        assert gate_up_ckpt.shape == (n, 2, inter, block_size)
+        assert down_ckpt.shape == (n, block_size, hidden)
+        x_all, grad = hidden_states.double(), grad_out.double()
+        w_gate_up = args["gate_up_proj_weight"].double()
+        w_down = args["down_proj_weight"].double()
+        d_hidden = torch.zeros_like(x_all)
+        d_affinity = torch.zeros_like(affinity)
+        d_gate_up = torch.zeros_like(w_gate_up)
+        d_down = torch.zeros_like(w_down)
+        # From the checkpoints, as the golden does: no forward recompute; affinity on H.
+        for b, e, ids in _blocks(args["token_position_to_id"], args["block_to_expert"], block_size):
+            g = grad[ids]
+            d_affinity[ids, e] = (g * down_ckpt[b].double()).sum(-1)
+            g_down = g * affinity[ids, e][:, None]
+            gate, up = gate_up_ckpt[b].double().transpose(1, 2).unbind(0)
+            sig = torch.sigmoid(gate)
+            d_down[e] += (gate * sig * up).T @ g_down
+            d_act = _round(g_down @ w_down[e].T, compute_dtype)
+            d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+            d_up = d_act * gate * sig
+            x = x_all[ids]
+            d_gate_up[e, :, 0] += x.T @ d_gate
+            d_gate_up[e, :, 1] += x.T @ d_up
+            d_hidden.index_add_(0, ids, d_gate @ w_gate_up[e, :, 0].T + d_up @ w_gate_up[e, :, 1].T)
+        return (
+            d_hidden.to(hidden_states.dtype),
+            d_affinity.reshape(-1, 1).to(args["expert_affinities_masked"].dtype),
+            d_gate_up.to(args["gate_up_proj_weight"].dtype),
+            d_down.to(args["down_proj_weight"].dtype),
+        )
+
+    def validate_2_29(block_size, hidden, inter, shards):
+        # MOEBwdParameters.validate / validate_sharding (moe_bwd_parameters.py, 2.29)
+        assert block_size in (128, 256, 512, 1024)
+        assert inter % 2 == 0 and hidden % 2 == 0 and hidden % shards == 0
+        assert (hidden // shards) % 32 == 0 and (inter // shards) % 32 == 0
+
     @nki.jit
-    def blockwise_mm_bwd(
+    def blockwise_mm_bwd_2_29(
         hidden_states,
         expert_affinities_masked,
         gate_up_proj_weight,
@@ -336,57 +401,75 @@ def build() -> dict[str, types.SimpleNamespace]:
         block_tile_size=None,
     ):
         # shard_option and affinity_option are accepted and never read (blockwise_mm_backward.py
-        # builds MOEBwdParameters without them, 2.28 and main).
-        assert kernel_type_option == KernelTypeOption.DROPLESS and not bias
-        assert activation_type == ActFnType.SiLU and clamp_limits is None
-        _, inter, affinity = _moe_inputs(
-            hidden_states,
-            expert_affinities_masked,
-            gate_up_proj_weight,
-            down_proj_weight,
-            token_position_to_id,
-            block_to_expert,
-            block_size,
+        # builds MOEBwdParameters without them, 2.28, 2.29 and main of April 2026).
+        args = dict(locals())
+        inter = down_proj_weight.shape[1]
+        validate_2_29(block_size, hidden_states.shape[1], inter, nki.num_programs())
+        return bwd_numbers(args)
+
+    @nki.jit
+    def blockwise_mm_bwd_092a49d(
+        hidden_states,
+        expert_affinities_masked,
+        gate_up_proj_weight,
+        down_proj_weight,
+        gate_up_proj_act_checkpoint_T,
+        down_proj_act_checkpoint,
+        token_position_to_id,
+        block_to_expert,
+        output_hidden_states_grad,
+        block_size,
+        skip_dma=None,
+        compute_dtype=language.bfloat16,
+        is_tensor_update_accumulating=True,
+        skip_grad_initialization=False,
+        shard_option=ShardOption.SHARD_ON_HIDDEN,
+        affinity_option=AffinityOption.AFFINITY_ON_H,
+        kernel_type_option=KernelTypeOption.DROPLESS,
+        clamp_limits=None,
+        bias=False,
+        activation_type=ActFnType.SiLU,
+        block_tile_size=None,
+        blocking_params=None,
+        hidden_states_grad_out=None,
+        expert_affinities_masked_grad_out=None,
+        gate_up_proj_weight_grad_out=None,
+        down_proj_weight_grad_out=None,
+        accumulation_dtype=None,
+    ):
+        # Both options now reach MOEBwdParameters, whose validate() and validate_sharding()
+        # read them (experimental/moe/bwd/moe_bwd_parameters.py at 092a49d).
+        args = dict(locals())
+        assert not skip_grad_initialization and blocking_params is None
+        assert all(
+            out is None
+            for out in (
+                hidden_states_grad_out,
+                expert_affinities_masked_grad_out,
+                gate_up_proj_weight_grad_out,
+                down_proj_weight_grad_out,
+            )
         )
-        hidden = hidden_states.shape[1]
+        hidden, inter = hidden_states.shape[1], down_proj_weight.shape[1]
         shards = nki.num_programs()
-        # MOEBwdParameters.validate / validate_sharding (moe_bwd_parameters.py)
-        assert block_size in (128, 256, 512, 1024)
-        assert inter % 2 == 0 and hidden % 2 == 0 and hidden % shards == 0
-        assert (hidden // shards) % 32 == 0 and (inter // shards) % 32 == 0
-        assert output_hidden_states_grad.shape == hidden_states.shape
-        assert torch.all(output_hidden_states_grad[-1] == 0), "row T of dOut must be zero"
-        n = block_to_expert.shape[0]
-        assert gate_up_proj_act_checkpoint_T.shape == (n, 2, inter, block_size)
-        assert down_proj_act_checkpoint.shape == (n, block_size, hidden)
-        x_all, grad = hidden_states.double(), output_hidden_states_grad.double()
-        w_gate_up, w_down = gate_up_proj_weight.double(), down_proj_weight.double()
-        d_hidden = torch.zeros_like(x_all)
-        d_affinity = torch.zeros_like(affinity)
-        d_gate_up = torch.zeros_like(w_gate_up)
-        d_down = torch.zeros_like(w_down)
-        # From the checkpoints, as the golden does: no forward recompute.
-        for b, e, ids in _blocks(token_position_to_id, block_to_expert, block_size):
-            g = grad[ids]
-            d_affinity[ids, e] = (g * down_proj_act_checkpoint[b].double()).sum(-1)
-            g_down = g * affinity[ids, e][:, None]
-            gate, up = gate_up_proj_act_checkpoint_T[b].double().transpose(1, 2).unbind(0)
-            sig = torch.sigmoid(gate)
-            d_down[e] += (gate * sig * up).T @ g_down
-            d_act = _round(g_down @ w_down[e].T, compute_dtype)
-            d_gate = d_act * up * sig * (1 + gate * (1 - sig))
-            d_up = d_act * gate * sig
-            x = x_all[ids]
-            d_gate_up[e, :, 0] += x.T @ d_gate
-            d_gate_up[e, :, 1] += x.T @ d_up
-            d_hidden.index_add_(0, ids, d_gate @ w_gate_up[e, :, 0].T + d_up @ w_gate_up[e, :, 1].T)
-        dtype = hidden_states.dtype
-        return (
-            d_hidden.to(dtype),
-            d_affinity.reshape(-1, 1).to(expert_affinities_masked.dtype),
-            d_gate_up.to(gate_up_proj_weight.dtype),
-            d_down.to(down_proj_weight.dtype),
-        )
+        assert block_size in (128, 256, 512, 1024), "block_size must be 128, 256, 512, or 1024"
+        assert inter % 2 == 0 and hidden % 2 == 0
+        if shard_option == ShardOption.SHARD_ON_HIDDEN:
+            assert affinity_option == AffinityOption.AFFINITY_ON_I, (
+                "SHARD_ON_HIDDEN only supports AFFINITY_ON_I"
+            )
+        assert hidden % shards == 0 and (hidden // shards) % 32 == 0
+        if shard_option != ShardOption.SHARD_ON_HIDDEN and (inter // shards) % 32 != 0:
+            assert block_size == 128, "I_TP sharded by the LNC must be a multiple of 32"
+        # AFFINITY_ON_I scales on the intermediate dim and drops the down checkpoint: a
+        # different contract from moe_cte's POST_SCALE, which this double does not compute.
+        assert affinity_option == AffinityOption.AFFINITY_ON_H, "this double: AFFINITY_ON_H"
+        return bwd_numbers(args)
+
+    blockwise_mm_bwd = (
+        blockwise_mm_bwd_092a49d if generation == "092a49d" else blockwise_mm_bwd_2_29
+    )
+    blockwise_mm_bwd.__name__ = "blockwise_mm_bwd"
 
     moe = types.SimpleNamespace(
         moe_cte=moe_cte,

@@ -15,6 +15,10 @@
 - every non-tensor argument becomes a compile-time constant that must be hashable, else
   RuntimeError (`torch_neuronx/nki_kernel.py`), so nki-library's mutable `MoECTESpec` cannot
   cross this boundary.
+`nki_op(name, fn=None, mutates_args=())`, as "How to work with NKI kernels from torch-neuronx"
+(SDK 2.33) describes it and the April source writes it (`nki_hop.py`): a PyTorch custom op named
+`name` (`torch.library.custom_op`, its schema from `fn`'s type annotations, which it requires)
+whose implementation and fake implementation are `fn`; usable as a decorator too.
 Tensors on cpu stand for `neuron` tensors here; the kernel runs once through the fake `nki`.
 """
 
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import types
 from typing import Any
+
+import torch
 
 from . import nki
 
@@ -56,15 +62,32 @@ def wrap_nki(nki_kernel: Any, **_kwargs: Any) -> NKIHOPCaller:
     return NKIHOPCaller(nki_kernel)
 
 
+registered_ops: list[str] = []  # every op nki_op made in this process, in order
+
+
+def nki_op(name: str, fn: Any = None, mutates_args: Any = ()) -> Any:
+    def register(fn: Any) -> Any:
+        op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        op.register_fake(fn)
+        registered_ops.append(name)
+        return op
+
+    return register if fn is None else register(fn)
+
+
 DOCUMENTED = "2.14.3.0"
 APRIL_SOURCE = "0.1.0"
 
 
-def build(version: str = DOCUMENTED, *, has_wrap_nki: bool = False) -> types.ModuleType:
-    """A fake torch_neuronx module of `version`, with `wrap_nki` when asked."""
+def build(
+    version: str = DOCUMENTED, *, has_wrap_nki: bool = False, has_nki_op: bool = True
+) -> types.ModuleType:
+    """A fake torch_neuronx module of `version`, with `wrap_nki` and `nki_op` when asked."""
     module = types.ModuleType("torch_neuronx")
     module.__version__ = version
     module.HANDLES_JIT_CALLS = version != APRIL_SOURCE
     if has_wrap_nki:
         module.wrap_nki = wrap_nki
+    if has_nki_op:
+        module.nki_op = nki_op
     return module

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from qwentitan.kernels import neuron_dispatch
 from qwentitan.kernels.env import LNC_ENV, lnc_setting
 from qwentitan.kernels.errors import KernelError
 
@@ -106,10 +107,29 @@ def launch_route() -> str:
     return ROUTE_WRAP_NKI
 
 
+def has_nki_op() -> bool:
+    """Whether this host's torch-neuronx has `nki_op`, the custom-op registration SDK 2.33
+    documents for NKI kernels inside `torch.compile(backend="neuron")`."""
+    try:
+        return hasattr(import_torch_neuronx(), "nki_op")
+    except KernelError:
+        return False
+
+
+def register_nki_ops() -> list[str]:
+    """Register the ops' NKI implementations through `nki_op` where torch-neuronx has it."""
+    return neuron_dispatch.register_nki_ops(import_torch_neuronx())
+
+
+neuron_dispatch.torch_neuronx_loader = import_torch_neuronx
+
+
 def route_description() -> str:
     """What the replaced modules will launch through here, for the replacement log."""
     try:
-        return f"{launch_route()} on neuron, reference twin elsewhere"
+        route = launch_route()
+        registered = " as nki_op custom ops" if register_nki_ops() else ""
+        return f"{route}{registered} on neuron, reference twin elsewhere"
     except KernelError:
         return "reference twin (no torch-neuronx here)"
 
@@ -248,12 +268,37 @@ def _moe_forward_launcher() -> Callable[..., Any]:
     return moe_blockwise_fwd
 
 
+def moe_backward_sharding(bwd_parameters: ModuleType) -> dict[str, Any]:
+    """The sharding keywords for `blockwise_mm_bwd`, chosen by the library's `ShardOption` enum.
+
+    nki-library 2.28, 2.29 and main of April 2026 accept `shard_option` / `affinity_option` and
+    never read them; from commit 092a49d (about SDK 2.32) the kernel forwards both to
+    `MOEBwdParameters`, whose `validate()` asserts that its default `SHARD_ON_HIDDEN` goes with
+    `AFFINITY_ON_I`, while the default affinity is `AFFINITY_ON_H`: called with its defaults it
+    fails. That generation is the one whose enum has `SHARD_ON_FREE` (the older one has AUTO,
+    SHARD_ON_HIDDEN, SHARD_ON_INTERMEDIATE, BASELINE_LNC1), so the enum decides, never a version
+    string: shard on the matmuls' free dim, affinity on H, which is what the forward's
+    POST_SCALE checkpoints (the down-projection activations) are for
+    (experimental/moe/bwd/blockwise_mm_backward.py and moe_bwd_parameters.py of
+    aws-neuron/nki-library at 092a49d and after).
+    """
+    shard = bwd_parameters.ShardOption
+    if not hasattr(shard, "SHARD_ON_FREE"):
+        return {}
+    return {
+        "shard_option": shard.SHARD_ON_FREE,
+        "affinity_option": bwd_parameters.AffinityOption.AFFINITY_ON_H,
+    }
+
+
 def _moe_backward_launcher() -> Callable[..., Any]:
     """`moe_blockwise_bwd`: blockwise_mm_bwd with SiLU, from the forward's activations."""
     import nki
     import nki.language as nl
+    from nkilib.experimental.moe.bwd import moe_bwd_parameters
     from nkilib.experimental.moe.bwd.blockwise_mm_backward import blockwise_mm_bwd
-    from nkilib.experimental.moe.bwd.moe_bwd_parameters import ActFnType
+
+    sharding = moe_backward_sharding(moe_bwd_parameters)
 
     @nki.jit
     def moe_blockwise_bwd(
@@ -270,9 +315,7 @@ def _moe_backward_launcher() -> Callable[..., Any]:
         is_tensor_update_accumulating,
         compute_dtype,
     ):
-        # shard_option and affinity_option are left at their defaults: blockwise_mm_bwd takes
-        # them but never reads them (experimental/moe/bwd/blockwise_mm_backward.py, nki-library
-        # 2.28 and main), it shards H over the LNC shards and applies the affinity on H.
+        # `sharding` (see moe_backward_sharding) is empty on a library that ignores the options.
         return blockwise_mm_bwd(
             hidden_states=hidden_states,
             expert_affinities_masked=expert_affinities_masked,
@@ -286,7 +329,8 @@ def _moe_backward_launcher() -> Callable[..., Any]:
             block_size=block_size,
             compute_dtype=getattr(nl, compute_dtype),
             is_tensor_update_accumulating=is_tensor_update_accumulating,
-            activation_type=ActFnType.SiLU,
+            activation_type=moe_bwd_parameters.ActFnType.SiLU,
+            **sharding,
         )
 
     return moe_blockwise_bwd

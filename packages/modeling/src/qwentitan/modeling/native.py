@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -41,6 +42,29 @@ def _inner_attention(attn_backend: str):
     )
 
 
+def _fit_layer(layer: Any, f: Flavor, inner_attention: Any, *, float32_experts: bool) -> None:
+    """One layer of torchtitan's Qwen3 builder as ``f`` has it: attention, norms, routing."""
+    layer.attention.inner_attention = inner_attention
+    for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.qk_norm):
+        norm.eps = f.rms_norm_eps
+    if layer.moe is None:
+        return
+    layer.moe.router.route_norm = f.norm_topk_prob
+    # Qwen3 routes by softmax top-k alone. torchtitan's default aux-loss-free balancing adds a
+    # learned expert_bias to the routing scores, which Hugging Face checkpoints cannot carry:
+    # an exported model would route differently from the trained one.
+    layer.moe.load_balance_coeff = None
+    if float32_experts:
+        # The one float32 GroupedExperts: the checkpoint package's logit check uses it too,
+        # and it cannot import this package (the arrow points the other way).
+        from qwentitan.checkpoint.logits import float32_grouped_experts
+
+        inner = layer.moe.routed_experts.inner_experts
+        layer.moe.routed_experts.inner_experts = float32_grouped_experts().Config(
+            **{k.name: getattr(inner, k.name) for k in dataclasses.fields(inner) if k.init}
+        )
+
+
 def native_model_config(
     flavor: str | Flavor, attn_backend: str = "sdpa", *, float32_experts: bool = False
 ) -> Qwen3Model.Config:
@@ -77,24 +101,7 @@ def native_model_config(
         layers = _build_qwen3_layers(**shape, hidden_dim=f.intermediate_size)
 
     for layer in layers:
-        layer.attention.inner_attention = inner_attention
-        for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.qk_norm):
-            norm.eps = f.rms_norm_eps
-        if layer.moe is not None:
-            layer.moe.router.route_norm = f.norm_topk_prob
-            # Qwen3 routes by softmax top-k alone. torchtitan's default aux-loss-free balancing
-            # adds a learned expert_bias to the routing scores, which Hugging Face checkpoints
-            # cannot carry: an exported model would route differently from the trained one.
-            layer.moe.load_balance_coeff = None
-            if float32_experts:
-                # The one float32 GroupedExperts: the checkpoint package's logit check uses it
-                # too, and it cannot import this package (the arrow points the other way).
-                from qwentitan.checkpoint.logits import float32_grouped_experts
-
-                inner = layer.moe.routed_experts.inner_experts
-                layer.moe.routed_experts.inner_experts = float32_grouped_experts().Config(
-                    **{k.name: getattr(inner, k.name) for k in dataclasses.fields(inner) if k.init}
-                )
+        _fit_layer(layer, f, inner_attention, float32_experts=float32_experts)
 
     norm = _qwen3_norm(f.hidden_size)
     norm.eps = f.rms_norm_eps

@@ -136,11 +136,12 @@ def check_compile(config: Any, topology: Topology) -> None:
 
 
 def check_compile_with_nki(config: Any, topology: Topology) -> None:
-    """A compiled Neuron run whose model launches NKI kernels is refused: torch-neuronx runs an
-    NKI kernel inside `torch.compile` only when it is registered with `nki_op` ("How to work
-    with NKI kernels from torch-neuronx", Neuron SDK 2.33), and qwentitan's custom ops call
-    their `@nki.jit` kernels plainly, which TorchNeuron documents for eager mode, the mode AWS's
-    MoE kernels example runs."""
+    """A compiled Neuron run whose model launches NKI kernels needs `nki_op`: "How to work with
+    NKI kernels from torch-neuronx" (Neuron SDK 2.33) documents it (SDK 2.33 and later) as the
+    registration of NKI kernels in PyTorch custom ops, eager and inside
+    `torch.compile(backend="neuron")`, and qwentitan's ops register their NKI implementations
+    through it where this host's torch-neuronx has it (`qwentitan.kernels.neuron_dispatch`).
+    Without it (or without torch-neuronx here) such a run is refused."""
     spec = getattr(config, "model_spec", None)
     if topology.device_type != "neuron" or not config.compile.enable or spec is None:
         return
@@ -148,11 +149,16 @@ def check_compile_with_nki(config: Any, topology: Topology) -> None:
 
     nki_ops = sorted({rule.op for rule in rules_in(spec.model) if rule.use_nki and rule.op})
     if nki_ops:
+        from qwentitan.kernels import nki_loader
+
+        if nki_loader.has_nki_op():
+            return
         raise LaunchError(
-            f"--compile.enable with qwentitan's NKI kernels ({', '.join(nki_ops)}) is not "
-            f"supported on {topology.name}: they are not registered with nki_op, so they run in eager mode "
-            "only (as AWS's MoE kernels example runs); drop --compile.enable, or choose their "
-            "reference twins (`-- --kernels rope=reference,experts=reference`)."
+            f"--compile.enable with qwentitan's NKI kernels ({', '.join(nki_ops)}) on "
+            f"{topology.name} needs torch-neuronx's nki_op (Neuron SDK 2.33 or later), which "
+            "this host lacks (its torch-neuronx has none, or it has no torch-neuronx), so they "
+            "run in eager mode only; plan on the Neuron host with SDK 2.33+, drop --compile.enable, "
+            "or choose their reference twins (`-- --kernels rope=reference,experts=reference`)."
         )
 
 

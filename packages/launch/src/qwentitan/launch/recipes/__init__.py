@@ -64,6 +64,9 @@ _RECIPES = {
         Recipe("qwen3_8b_tp4_fsdp16_sac", _TRN2, "native", NEURON_TARGET, _QWEN3_8B),
         # Its weights start from a random initialisation: the config and tokenizer suffice.
         Recipe("qwen3_moe_kernels", _TRN2, "moe-kernels", NEURON_TARGET, _QWEN3_30B, _SMALL_FILES),
+        Recipe(
+            "qwen3_30b_a3b_tp4_fsdp16", _TRN2, "native", NEURON_TARGET, _QWEN3_30B, _SMALL_FILES
+        ),
     )
 }
 # The recipes written for one trn2.48xlarge (the others train on this host).

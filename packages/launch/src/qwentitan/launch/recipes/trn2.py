@@ -1,5 +1,6 @@
 """The trn2.48xlarge recipes: one per implementation path (hf, native, moe-kernels), FSDP over
-all 64 ranks, and AWS's reference run (`qwen3_8b_tp4_fsdp16_sac`: TP 4 x FSDP 16).
+all 64 ranks, AWS's reference run (`qwen3_8b_tp4_fsdp16_sac`: TP 4 x FSDP 16) and AWS's MoE
+run of Neuron SDK 2.34 (`qwen3_30b_a3b_tp4_fsdp16`: Qwen3-30B-A3B at TP 4 x FSDP 16).
 
 Each is a torchtitan config-registry function (`--module qwentitan.launch.recipes --config
 <name>`) returning a Trainer.Config sized for one trn2.48xlarge at LNC=2: 64 ranks. None of them has been run on Trainium (see the README); `qwentitan-launch plan`
@@ -14,7 +15,7 @@ from that field, never from `hf_assets_path`, so one folder is two fields). Thei
 - `$QWENTITAN_QWEN3_4B_DIR`, else `./assets/hf/Qwen3-4B-Instruct-2507`: the Hugging Face
   model folder of Qwen3-4B-Instruct-2507 (config.json, tokenizer.json, safetensors).
 - `$QWENTITAN_QWEN3_30B_A3B_DIR`, else `./assets/hf/Qwen3-30B-A3B`: its tokenizer is
-  used by the MoE recipe, whose weights start from a random initialisation.
+  used by the MoE recipes, whose weights start from a random initialisation.
 - `$QWENTITAN_QWEN3_8B_DIR`, else `./assets/hf/Qwen3-8B` (the folder AWS's toml names): the
   Hugging Face model folder of Qwen3-8B, for `qwen3_8b_tp4_fsdp16_sac`.
 
@@ -54,6 +55,7 @@ __all__ = [
     "qwen3_4b_hf",
     "qwen3_4b_native",
     "qwen3_8b_tp4_fsdp16_sac",
+    "qwen3_30b_a3b_tp4_fsdp16",
     "qwen3_moe_kernels",
 ]
 
@@ -207,3 +209,36 @@ def qwen3_8b_tp4_fsdp16_sac() -> Trainer.Config:
         validator=PausableValidator.Config(),
         checkpoint=_from_folder(folder, interval=500, last_save_model_only=False),
     )
+
+
+def qwen3_30b_a3b_tp4_fsdp16() -> Trainer.Config:
+    """AWS's MoE run of Neuron SDK 2.34: Qwen3-30B-A3B (48 layers, 128 experts, top-8) on one
+    trn2.48xlarge at tensor parallel 4 x FSDP 16, eager, on torchtitan's own model.
+
+    The torch-neuronx 2.34.0 release notes ("Highlights") say TorchTitan Neuron's MoE recipes
+    now run upstream `torch._grouped_mm` instead of Neuron's blockwise MoE kernels, at TP 4 x
+    FSDP 16 on Trn2 for Qwen3-30B-A3B, with about 1.3x the MFU of the SDK 2.33 recipes. Here
+    that is the native path: torchtitan's `GroupedExperts` (whose matmuls are
+    `torch._grouped_mm`) on the full flavor, no custom op, so `qwen3_moe_kernels` stays the
+    kernel path. torchtitan's 30B-A3B recipe is the base (AdamW at 8e-4, full activation
+    checkpointing); from the 8B reference run come local batch 1, sequence 4096, global batch
+    16 and eager mode. The attention is the neuron Target's (SDPA, which TorchNeuron sends to
+    its NKI flash kernels); the release's "models' own attention" is not reproduced. Weights
+    start from a random initialisation (the folder gives the tokenizer); data is the offline
+    corpus; checkpoints every 500 steps. Not run on Trainium.
+    """
+    recipe = "qwen3_30b_a3b_tp4_fsdp16"
+    config = _ours(torchtitan_qwen3.qwen3_30b_a3b(), _model_for("qwen3-30b-a3b", recipe))
+    config.metrics = _metrics(recipe)
+    config.loss = _loss("qwen3-30b-a3b")
+    config.hf_assets_path = qwen3_30b_a3b_folder()
+    config.dataloader = TextDataLoader.Config(dataset=OFFLINE)  # torchtitan's streams c4
+    config.training = TrainingConfig(
+        local_batch_size=1, seq_len=4096, global_batch_size=16, steps=500
+    )
+    config.parallelism = ParallelismConfig(
+        data_parallel_shard_degree=-1, tensor_parallel_degree=4, expert_parallel_degree=1
+    )
+    config.compile = CompileConfig(enable=False)
+    config.checkpoint.enable = True
+    return config

@@ -6,6 +6,8 @@ Facts from TorchNeuron's Python source (public mirror `parmoham-aws/test-repo-pa
   with `current` / `peak` / `allocated` / `freed`. `allocated_bytes` is what the allocator got
   from the Neuron runtime (NRT); `reserved_bytes` (memory cached for reuse) is always 0 for now.
   torch.cuda's flat keys (`reserved_bytes.all.peak`) are absent, so a CUDA reader sees nothing.
+  The torch-neuronx 2.34.0 release notes say the `torch.accelerator` memory functions now work,
+  which may mean the flat shape instead: both are read, and any other shape is unknown.
 - `torch_neuronx/__init__.py`: `get_fallback_ops()` lists the ops that ran on the CPU instead
   of the NeuronCore (TorchNeuron may do that for ops it does not implement).
 - Per-core device-memory peak in sysfs, `/sys/devices/virtual/neuron_device/neuron<chip>/
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 from qwentitan.launch.base.target import NEURON_TARGET, TARGETS
 
 __all__ = [
+    "UNKNOWN",
     "NeuronDeviceModule",
     "fallback_ops",
     "flat_memory_stats",
@@ -35,26 +38,71 @@ SYSFS_ROOT = Path("/sys/devices/virtual/neuron_device")
 _PHYSICAL_CORES_PER_CHIP = TARGETS[NEURON_TARGET].cores_per_chip
 
 
-def flat_memory_stats(nested: dict[str, Any]) -> dict[str, int]:
-    """TorchNeuron's nested statistics under the flat keys torchtitan reads (torch.cuda's).
+class UnknownFigure(float):
+    """A memory figure TorchNeuron did not give: NaN that prints as "unknown".
 
-    What NRT handed the allocator is what CUDA calls reserved (held from the driver); TorchNeuron
-    caches nothing yet, so its own `reserved_bytes` (0) is added, not used alone.
+    torchtitan's memory monitor divides it (GiB, percent of capacity) and formats it into the
+    console line, so arithmetic keeps it unknown; MLflow's metrics leave non-finite values out
+    (`tracking.summary.step_values`), so it never reaches a chart as 0.
     """
 
-    def figure(name: str, which: str) -> int:
-        value = nested.get(name)
-        return int(value.get(which, 0)) if isinstance(value, dict) else 0
+    def __new__(cls) -> UnknownFigure:
+        return super().__new__(cls, "nan")
 
-    flat: dict[str, int] = {}
+    def _same(self, *_: Any) -> UnknownFigure:
+        return self
+
+    __add__ = __radd__ = __sub__ = __rsub__ = _same
+    __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _same
+
+    def __format__(self, spec: str) -> str:
+        return "unknown"
+
+    __str__ = __repr__ = lambda self: "unknown"
+
+
+UNKNOWN = UnknownFigure()
+
+
+def flat_memory_stats(stats: dict[str, Any]) -> dict[str, float]:
+    """TorchNeuron's statistics under the flat keys torchtitan reads (torch.cuda's).
+
+    Two shapes are read: the nested one of TorchNeuron's `memory.py`
+    (`stats["allocated_bytes"]["peak"]`) and torch.cuda's flat one
+    (`stats["allocated_bytes.all.peak"]`). In the nested shape, what NRT handed the allocator is
+    what CUDA calls reserved (held from the driver); TorchNeuron caches nothing yet, so its own
+    `reserved_bytes` (0) is added, not used alone. A figure found in neither shape is `UNKNOWN`,
+    never 0.
+    """
+
+    def figure(name: str, which: str) -> float:
+        flat = stats.get(f"{name}.all.{which}")
+        if isinstance(flat, (int, float)) and not isinstance(flat, bool):
+            return int(flat)
+        value = stats.get(name)
+        if isinstance(value, dict) and isinstance(value.get(which), (int, float)):
+            return int(value[which])
+        return UNKNOWN
+
+    out: dict[str, float] = {}
     for which in ("current", "peak"):
         allocated = figure("allocated_bytes", which)
-        flat[f"allocated_bytes.all.{which}"] = allocated
-        flat[f"active_bytes.all.{which}"] = figure("active_bytes", which) or allocated
-        flat[f"reserved_bytes.all.{which}"] = allocated + figure("reserved_bytes", which)
+        active = figure("active_bytes", which)
+        reserved = figure("reserved_bytes", which)
+        out[f"allocated_bytes.all.{which}"] = allocated
+        out[f"active_bytes.all.{which}"] = allocated if active is UNKNOWN else active
+        if f"reserved_bytes.all.{which}" in stats and reserved is not UNKNOWN:
+            out[f"reserved_bytes.all.{which}"] = reserved  # torch.cuda's meaning already
+        elif allocated is UNKNOWN:
+            out[f"reserved_bytes.all.{which}"] = UNKNOWN
+        else:
+            out[f"reserved_bytes.all.{which}"] = allocated + (
+                0 if reserved is UNKNOWN else reserved
+            )
     for count in ("num_alloc_retries", "num_ooms"):
-        flat[count] = int(nested.get(count, 0))
-    return flat
+        value = stats.get(count)
+        out[count] = int(value) if isinstance(value, (int, float)) else UNKNOWN
+    return out
 
 
 class NeuronDeviceModule:
@@ -66,7 +114,7 @@ class NeuronDeviceModule:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
-    def memory_stats(self, device: Any = None) -> dict[str, int]:
+    def memory_stats(self, device: Any = None) -> dict[str, float]:
         return flat_memory_stats(self._module.memory_stats(device))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -39,7 +40,8 @@ PLATFORM_NAMES = ("cpu", "cuda", "neuron")
 
 @dataclass(frozen=True, slots=True)
 class MemoryStats:
-    """Memory of one rank, in bytes: what it holds now, its peak, and what the device has."""
+    """Memory of one rank, in bytes: what it holds now, its peak, and what the device has
+    (-1 for a figure the device module does not give)."""
 
     current_bytes: int
     peak_bytes: int
@@ -144,8 +146,8 @@ class Platform:
         capacity = self.device_module.get_device_properties(0).total_memory
         kind = {"cpu": "RSS", "cuda": "CUDA"}.get(self.device_type, "HBM")
         return MemoryStats(
-            current_bytes=int(stats.get("reserved_bytes.all.current", -1)),
-            peak_bytes=int(stats.get("reserved_bytes.all.peak", -1)),
+            current_bytes=_known(stats.get("reserved_bytes.all.current")),
+            peak_bytes=_known(stats.get("reserved_bytes.all.peak")),
             capacity_bytes=int(capacity),
             kind=kind,
             device_peak_bytes=self._sysfs_peak() if self.device_type == "neuron" else None,
@@ -157,6 +159,15 @@ class Platform:
         # TorchNeuron's process-group setup leaves one core here (the rank's LOCAL_RANK).
         core = env_defaults.visible_cores() or ""
         return sysfs_peak_bytes(int(core), lnc=self.lnc) if core.isdigit() else None
+
+
+def _known(value: Any) -> int:
+    """Bytes, or -1 where the device module does not know them (missing or NaN), never 0."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return -1
+    return int(number) if math.isfinite(number) else -1
 
 
 def _torch_neuron() -> Any:

@@ -8,7 +8,7 @@ import sys
 
 from qwentitan.launch.launcher.flags import whole_number
 from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR
-from qwentitan.launch.launcher.pilot.mesh import DENSE_LIMIT, MESH, MOE_LIMIT
+from qwentitan.launch.launcher.pilot.mesh import DENSE_LIMIT, MESH, MOE_LIMIT, MOE_TP_LIMIT
 from qwentitan.launch.launcher.plan_cli import LAYOUT, add_request_flags, request_from_args
 
 NAME = "pilot"
@@ -40,9 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the mesh pilot: tiny_dense under 1 rank, FSDP 2, TP 2, FSDP 2 x TP 2, HSDP 2 x 2 "
         "(and an untied twin under 1 rank and PP 2), tiny_moe and tiny_moe_kernels under FSDP 2, "
-        "EP 2 and FSDP 4 x EP 2, each from its recipe's seeded initialisation on a global batch "
-        f"of 8, against 1 rank (dense, limit {DENSE_LIMIT:g}) or tiny_moe's FSDP 2 (MoE, "
-        f"{MOE_LIMIT:g}); each child sets its own --ranks and degrees",
+        "EP 2 and FSDP 4 x EP 2, tiny_moe under FSDP 2 x TP 2, each from its recipe's seeded "
+        f"initialisation on a global batch of 8, against 1 rank (dense, limit {DENSE_LIMIT:g}) or "
+        f"tiny_moe's FSDP 2 (MoE, {MOE_LIMIT:g}; under TP {MOE_TP_LIMIT:g}); each child sets its "
+        "own --ranks and degrees",
     )
     parser.add_argument("--tracking-uri", default=None)
     parser.add_argument(

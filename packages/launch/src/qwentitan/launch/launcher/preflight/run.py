@@ -11,6 +11,7 @@ from qwentitan.launch.launcher.preflight import (
     compile_cache,
     dataset,
     efa,
+    host_os,
     init_ops,
     neuron_stack,
     weights,
@@ -39,6 +40,8 @@ def run_preflight(
     steps: list[tuple[str, Callable[[], CheckResult]]] = [
         ("versions", lambda: checks.check_versions(plan)),
         ("neuron_stack", lambda: neuron_stack.check_neuron_stack(plan, on_neuron_host=on_target)),
+        ("host_os", lambda: host_os.check_host_os(plan, on_neuron_host=on_target)),
+        ("spmd_backend", lambda: host_os.check_spmd_backend(plan)),
         ("devices", lambda: checks.check_devices(plan)),
         ("efa", lambda: efa.check_efa(plan, on_target_host=on_target)),
         ("lnc", lambda: checks.check_lnc(plan)),
