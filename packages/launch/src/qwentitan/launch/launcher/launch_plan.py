@@ -16,7 +16,7 @@ import shlex
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,19 +32,12 @@ if TYPE_CHECKING:
 
     from qwentitan.launch.launcher.memory import MemoryEstimate, ModelShape
 
-__all__ = ["FORMAT", "LaunchPlan", "parsed_config"]
+__all__ = ["FORMAT", "LaunchPlan"]
 
 FORMAT = "qwentitan-plan/1"
 # Derived facts a pickled plan keeps (the plan's child process hands the plan to `train`, which
 # must not import torch to read them); the config and the torch objects stay behind.
 _PLAIN_FACTS = ("console_rank", "run_folder", "checkpoints", "summary_file")
-
-
-@lru_cache(maxsize=8)
-def parsed_config(recipe: str, overrides: tuple[str, ...]) -> Any:
-    """The recipe's Trainer.Config with `overrides`, as every rank builds it: parsed once per
-    plan (the plan's properties and `resolve_plan` share it; nothing may change it)."""
-    return load_config(recipe, list(overrides))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,12 +55,22 @@ class LaunchPlan:
     rdzv_endpoint: str = "localhost:0"
     max_restarts: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overrides", tuple(self.overrides))  # frozen, as the rest
+
     # -- derived from the config every rank builds -------------------------------------------
 
-    @property
+    @cached_property
     def config(self) -> Any:
-        """The recipe's torchtitan Trainer.Config with the overrides applied."""
-        return parsed_config(self.recipe, self.overrides)
+        """The recipe's torchtitan Trainer.Config with the overrides applied, as every rank
+        builds it; parsed once per plan, and read only."""
+        return load_config(self.recipe, list(self.overrides))
+
+    def parsed_as(self, config: Any) -> LaunchPlan:
+        """This plan, its config the one already parsed from exactly its recipe and overrides
+        (`resolve_plan` parses before it knows the environment), so it is not parsed again."""
+        self.__dict__["config"] = config
+        return self
 
     @cached_property
     def dims(self) -> ParallelDims:

@@ -19,7 +19,7 @@ from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import GIB, Topology, get_target, get_topology
 from qwentitan.launch.launcher import environment
-from qwentitan.launch.launcher.launch_plan import LaunchPlan, parsed_config
+from qwentitan.launch.launcher.launch_plan import LaunchPlan
 from qwentitan.launch.launcher.memory import USABLE_FRACTION
 from qwentitan.launch.launcher.plan_rules import (
     NEURON_COMPILE_BACKEND,
@@ -76,16 +76,16 @@ def resolve_plan(request: RunRequest, *, shell: Mapping[str, str] | None = None)
     topology = get_topology(instance, lnc=lnc, ranks_per_node=request.ranks_per_node)
     environment.check_shell(topology, shell)
     words = _subcommand_last([*placement_overrides(topology), *request.trainer_overrides()])
-    recipe_config = parsed_config(request.recipe, words)  # one parse, reused by the plan
-    recipe_batch = recipe_config.training.global_batch_size
-    source = "{global_batch_size}"
+    config = load_config(request.recipe, list(words))  # the plan's own, unless scaled below
+    recipe_batch = config.training.global_batch_size
+    source, scaled = "{global_batch_size}", None
     if not request.global_batch_size and recipe_batch > 0:
         nodes = request.nodes
         source = f"the recipe's {recipe_batch} per node x {nodes} node{'s' * (nodes > 1)}"
-        batch = scaled_global_batch(recipe_batch, nodes)
-        if batch is not None:  # the ranks load the recipe too, so they are told
-            words = _subcommand_last([*words, "--training.global-batch-size", str(batch)])
-    mlflow = getattr(recipe_config.metrics, "mlflow", None)
+        scaled = scaled_global_batch(recipe_batch, nodes)
+        if scaled is not None:  # the ranks load the recipe too, so they are told
+            words = _subcommand_last([*words, "--training.global-batch-size", str(scaled)])
+    mlflow = getattr(config.metrics, "mlflow", None)
     env, sources = environment.plan_env(
         topology,
         nodes=request.nodes,
@@ -105,6 +105,8 @@ def resolve_plan(request: RunRequest, *, shell: Mapping[str, str] | None = None)
         rdzv_endpoint=request.rdzv_endpoint or "localhost:0",
         max_restarts=request.max_restarts,
     )
+    if scaled is None:  # else the ranks' overrides differ from the parse above: parsed again
+        plan = plan.parsed_as(config)
     check_plan(plan, batch_source=source)
     return plan
 
