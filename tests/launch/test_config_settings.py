@@ -123,6 +123,21 @@ def test_one_registry_names_every_recipe_and_its_path():
         recipes.recipe_info("tiny_gpt")
 
 
+@pytest.mark.parametrize("name", recipes.recipe_names())
+def test_every_recipe_sets_qwentitans_components_and_overrides_keep_them(name):
+    """The checkpoint manager, validator and metrics come in as the recipe's Config classes (not
+    rewrapped at run time), and torchtitan's command line changes their fields, not their class."""
+    from qwentitan.launch.runtime.checkpointer import GuardedCheckpointManager
+    from qwentitan.launch.runtime.validator import PausableValidator
+    from qwentitan.launch.tracking.processor import TrackedMetrics
+
+    config = load_config(name, ["--checkpoint.interval", "7", "--validator.freq", "3"])
+    assert type(config.checkpoint) is GuardedCheckpointManager.Config
+    assert type(config.validator) is PausableValidator.Config
+    assert type(config.metrics) is TrackedMetrics.Config
+    assert (config.checkpoint.interval, config.validator.freq) == (7, 3)
+
+
 def test_train_passes_overrides_after_the_double_dash_to_every_rank(monkeypatch, tmp_path):
     from qwentitan.launch.launcher import supervisor
 

@@ -30,7 +30,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
-__all__ = ["SAVE_FAILED_EXIT", "GuardedCheckpointManager", "guarded", "save_failure"]
+__all__ = ["SAVE_FAILED_EXIT", "GuardedCheckpointManager", "guarded"]
 
 # Exit code of a rank whose checkpoint could not be written: a fault of the environment.
 SAVE_FAILED_EXIT = 2
@@ -58,7 +58,7 @@ class GuardedCheckpointManager(CheckpointManager):
             step_folder = filesystem.join(str(self.folder), f"step-{curr_step}")  # a path, or a URL
             # DCP raises on every rank after all of them stopped writing; one removes the folder.
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                message = save_failure(step_folder, error)
+                message = _save_failure(step_folder, error)
                 with contextlib.suppress(OSError):
                     filesystem.rmtree(step_folder)
                 logger.error(message)
@@ -99,7 +99,7 @@ def guarded(config: CheckpointManager.Config) -> GuardedCheckpointManager.Config
     )
 
 
-def save_failure(step_folder: Path | str, error: BaseException) -> str:
+def _save_failure(step_folder: Path | str, error: BaseException) -> str:
     """One sentence for a failed save of `step_folder` (call before removing the folder; a URL
     on S3 has no disk to be full)."""
     causes = [error]

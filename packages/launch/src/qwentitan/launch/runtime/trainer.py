@@ -196,7 +196,7 @@ class Trainer(torchtitan_trainer.Trainer):
 
     def _take_save_times(self) -> None:
         """Count the saves timed since the last call in the `--stop-by` budget."""
-        times = getattr(self.checkpointer, "save_seconds", None)
+        times = self.checkpointer.save_seconds
         while times:
             seconds = times.pop(0)
             if self.clock is not None:
