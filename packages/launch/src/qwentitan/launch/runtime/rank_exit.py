@@ -33,10 +33,6 @@ from collections.abc import Iterator
 
 from qwentitan.launch.base import env_defaults
 
-# torchtitan's own entry point on every rank (`python -m torchtitan.train`); the recipe's
-# Trainer.Config builds our Trainer there.
-TRAIN_ENTRY = "torchtitan.train"
-
 
 def leave_cleanly_after_training() -> None:
     """Called when `Trainer.train()` returned: at exit, skip the native teardown if the rank
