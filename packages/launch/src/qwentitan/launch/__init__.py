@@ -32,6 +32,13 @@ _LAZY = {
     "write_sbatch": "qwentitan.launch.launcher.slurm",
     "PreflightReport": "qwentitan.launch.launcher.preflight",
     "run_preflight": "qwentitan.launch.launcher.preflight",
+    "RunRequest": "qwentitan.launch.launcher.request",
+    "LaunchError": "qwentitan.launch.base.errors",
+    "recipe_names": "qwentitan.launch.recipes",
+    "get_recipe": "qwentitan.launch.recipes",
+    "Trainer": "qwentitan.launch.runtime.trainer",
+    "tracked_metrics": "qwentitan.launch.tracking.processor",
+    "sync_run_dir": "qwentitan.launch.tracking.store",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]
