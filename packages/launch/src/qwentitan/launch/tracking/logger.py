@@ -41,7 +41,13 @@ from qwentitan.launch.tracking.store import (
     scrubbed,
     without_credentials,
 )
-from qwentitan.launch.tracking.summary import RunSummary, flatten_config, hourly_price, step_values
+from qwentitan.launch.tracking.summary import (
+    RunSummary,
+    comparable,
+    flatten_config,
+    hourly_price,
+    step_values,
+)
 from qwentitan.launch.tracking.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -192,7 +198,7 @@ class MLflowLogger(BaseLogger, Configurable):
         """The resolved config as a file beside the spool, attached to the run."""
         resolved = self.spool.path.with_suffix("") / "resolved_config.json"
         try:
-            write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
+            write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=comparable))
             self.attach(resolved, "config")
         except OSError:
             pass  # a spool folder without room: its warning is said by the spool

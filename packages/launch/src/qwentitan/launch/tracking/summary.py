@@ -13,6 +13,7 @@ metric rather than a made-up one. The same figures end every `train` on the cons
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -65,8 +66,35 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str
         if isinstance(value, Mapping) and value:
             flat.update(flatten_config(value, name))
         else:
-            flat[_NOT_ALLOWED.sub("_", name)] = str(value)[:PARAM_VALUE_LIMIT]
+            flat[_NOT_ALLOWED.sub("_", name)] = comparable(value)[:PARAM_VALUE_LIMIT]
     return flat
+
+
+# A repr that holds a memory address (`<function normal_ at 0x7f6f43657100>`) differs between
+# any two runs, so two runs with the same setting would seem to differ.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def qualified_name(value: Any) -> str | None:
+    """`torch.nn.init.normal_` for a function, class or other named object; None for a value."""
+    if isinstance(value, functools.partial):
+        args = [comparable(a) for a in value.args]
+        args += [f"{k}={comparable(v)}" for k, v in value.keywords.items()]
+        return f"functools.partial({comparable(value.func)}{''.join(', ' + a for a in args)})"
+    name = getattr(value, "__qualname__", None)
+    if not isinstance(name, str) or not (callable(value) or isinstance(value, type)):
+        return None
+    module = getattr(value, "__module__", None)
+    return f"{module}.{name}" if isinstance(module, str) and module else name
+
+
+def comparable(value: Any) -> str:
+    """A config value as text two runs can compare: a function or class by its qualified name,
+    an object's repr without its memory address, anything else as `str` gives it."""
+    named = qualified_name(value)
+    if named is not None:
+        return named
+    return _ADDRESS.sub("", str(value))
 
 
 def hourly_price(instance_type: str, configured: float | None = None) -> tuple[float, str] | None:
