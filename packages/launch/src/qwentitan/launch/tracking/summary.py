@@ -17,12 +17,13 @@ import functools
 import math
 import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qwentitan.launch.base.target import PRICE_AS_OF, PRICE_SOURCE, TARGETS
+from qwentitan.launch.tracking.links import LOCAL_UI, run_charts_url, runs_url
 from qwentitan.launch.tracking.store import without_credentials
 
 # torchtitan 0.3.0 key (components/metrics.py, trainer.py) -> MLflow key.
@@ -185,8 +186,11 @@ def step_values(metrics: Mapping[str, Any], world_size: int) -> dict[str, float]
     return values
 
 
-def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | None) -> str:
-    """The block that ends `train`: what a user reads first, from RUN_DIR/reports/summary.json."""
+def format_summary(
+    report: Mapping[str, Any], checkpoint_folder: str | Path | None, ended: Sequence[str] = ()
+) -> str:
+    """The block that ends `train`: what a user reads first, from RUN_DIR/reports/summary.json;
+    `ended`: the lines of `end_abandoned_runs`, said after the MLflow rows."""
 
     def number(key: str) -> str:
         value = report.get(key)
@@ -217,18 +221,32 @@ def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | No
             )
         )
     else:
-        uri = without_credentials(str(mlflow["tracking_uri"]))  # a report written before the filter
-        rows.append(("MLflow run", f"{mlflow['run_id']} in {uri}"))
-        rows.append(
-            (
-                "open it",
-                f"uv run mlflow ui --backend-store-uri {uri}  then "
-                f"http://127.0.0.1:5000/#/runs/{mlflow['run_id']}",
-            )
-        )
+        rows += _mlflow_rows(mlflow)
+    rows += [("earlier start", line) for line in ended]
     width = max(len(name) for name, _ in rows)
     lines = [f"  {name:<{width}}  {text}" for name, text in rows]
     return "\n".join(["Summary", *lines])
+
+
+def _mlflow_rows(mlflow: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The run, how to serve the UI for a local store, and the pages that show its curves: the
+    run's metric charts and the experiment's runs to compare it with (`tracking.links`)."""
+    uri = without_credentials(str(mlflow["tracking_uri"]))  # a report written before the filter
+    run_id, experiment_id = mlflow["run_id"], mlflow.get("experiment_id")
+    rows = [("MLflow run", f"{run_id} in {uri}")]
+    if experiment_id is None:  # a report that does not name the experiment: the run's overview
+        rows.append(
+            (
+                "open it",
+                f"uv run mlflow ui --backend-store-uri {uri}  then {LOCAL_UI}/#/runs/{run_id}",
+            )
+        )
+        return rows
+    if not uri.startswith(("http://", "https://")):
+        rows.append(("serve the UI", f"uv run mlflow ui --backend-store-uri {uri}"))
+    rows.append(("curves", run_charts_url(uri, str(experiment_id), str(run_id))))
+    rows.append(("compare runs", runs_url(uri, str(experiment_id))))
+    return rows
 
 
 def _tokens_per_second(report: Mapping[str, Any]) -> str:
