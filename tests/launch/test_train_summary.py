@@ -74,8 +74,15 @@ def test_block_links_the_runs_metric_charts_and_the_experiments_runs_to_compare(
     ended = ["an earlier start (tiny_dense-1) ended without closing its MLflow run: ..."]
     rows = summary_rows(format_summary({**_REPORT, "mlflow": mlflow}, None, ended))
     assert rows["serve the UI"] == "uv run mlflow ui --backend-store-uri sqlite:///runs/mlflow.db"
-    # the run's model-metrics tab, in the model-training view (not the GenAI overview)
-    assert rows["curves"] == (
+    # loss and validation loss on one plot, in the model-training view (not the GenAI overview)
+    assert rows["loss curve"] == (
+        "http://127.0.0.1:5000/#/metric/loss?runs=%5B%22abc123%22%5D&metric=%22loss%22"
+        "&experiments=%5B%227%22%5D&plot_metric_keys=%5B%22loss%22%2C%22validation%2Floss%22%5D"
+        "&plot_layout=%7B%7D&x_axis=step&y_axis_scale=linear&line_smoothness=1&show_point=true"
+        "&deselected_curves=%5B%5D&last_linear_y_axis_range=%5B%5D&workflowType=machine_learning"
+    )
+    # every chart of the run: its model-metrics tab
+    assert rows["all charts"] == (
         "http://127.0.0.1:5000/#/experiments/7/runs/abc123/model-metrics"
         "?workflowType=machine_learning"
     )
@@ -87,7 +94,7 @@ def test_block_links_the_runs_metric_charts_and_the_experiments_runs_to_compare(
     served = {**mlflow, "tracking_uri": "https://user:pw@mlflow.example.com/"}
     rows = summary_rows(format_summary({**_REPORT, "mlflow": served}, None))
     assert "serve the UI" not in rows  # a tracking server serves its own UI
-    assert rows["curves"].startswith("https://mlflow.example.com/#/experiments/7/runs/abc123/")
+    assert rows["all charts"].startswith("https://mlflow.example.com/#/experiments/7/runs/abc123/")
     assert "pw" not in format_summary({**_REPORT, "mlflow": served}, None)
 
 

@@ -29,8 +29,8 @@ def ui_address(tracking_uri: str) -> str:
 
 def run_charts_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """The run's own page on its metric-charts tab (`.../runs/<run>/model-metrics`): one chart
-    per metric, the step metrics (loss among the first) before the `memory/`, `summary/` and
-    `validation/` sections."""
+    per metric, in MLflow 3.17's order: the `memory/`, `summary/` and `validation/` sections
+    first, the step metrics (loss, grad_norm, lr, ...) in the last, "Model metrics"."""
     query = urllib.parse.urlencode(MODEL_TRAINING)
     return (
         f"{ui_address(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics"
@@ -39,15 +39,19 @@ def run_charts_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 
 
 def loss_url(
-    tracking_uri: str, experiment_id: str, run_ids: Sequence[str], metric: str = "loss"
+    tracking_uri: str,
+    experiment_id: str,
+    run_ids: Sequence[str],
+    metrics: Sequence[str] = ("loss",),
 ) -> str:
-    """The UI's metric page: these runs' `metric` curves on one plot, with a table of their
-    values (its own route, with the parameters its getMetricPageRoute writes)."""
+    """The UI's metric page: these runs' `metrics` curves (the first named in the URL's path)
+    on one plot against the step, with a table of their latest, min and max (its own route,
+    with the parameters its getMetricPageRoute writes)."""
     query = {
         "runs": _json(list(run_ids)),
-        "metric": _json(metric),
+        "metric": _json(metrics[0]),
         "experiments": _json([experiment_id]),
-        "plot_metric_keys": _json([metric]),
+        "plot_metric_keys": _json(list(metrics)),
         "plot_layout": "{}",
         "x_axis": "step",
         "y_axis_scale": "linear",
@@ -57,7 +61,8 @@ def loss_url(
         "last_linear_y_axis_range": "[]",
         **MODEL_TRAINING,
     }
-    return f"{ui_address(tracking_uri)}/#/metric/{metric}?{urllib.parse.urlencode(query)}"
+    path = urllib.parse.quote(metrics[0], safe="")
+    return f"{ui_address(tracking_uri)}/#/metric/{path}?{urllib.parse.urlencode(query)}"
 
 
 def compare_url(tracking_uri: str, experiment_id: str, run_ids: Sequence[str]) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qwentitan.launch.base.target import PRICE_AS_OF, PRICE_SOURCE, TARGETS
-from qwentitan.launch.tracking.links import LOCAL_UI, run_charts_url, runs_url
+from qwentitan.launch.tracking.links import LOCAL_UI, loss_url, run_charts_url, runs_url
 from qwentitan.launch.tracking.store import without_credentials
 
 # torchtitan 0.3.0 key (components/metrics.py, trainer.py) -> MLflow key.
@@ -228,9 +228,14 @@ def format_summary(
     return "\n".join(["Summary", *lines])
 
 
+# What the Summary's first link plots: the training loss, and the held-out loss beside it.
+CURVES = ("loss", "validation/loss")
+
+
 def _mlflow_rows(mlflow: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The run, how to serve the UI for a local store, and the pages that show its curves: the
-    run's metric charts and the experiment's runs to compare it with (`tracking.links`)."""
+    """The run, how to serve the UI for a local store, and the pages that show its curves: its
+    loss and validation loss on one plot, all its metric charts, and the experiment's runs to
+    compare it with (`tracking.links`)."""
     uri = without_credentials(str(mlflow["tracking_uri"]))  # a report written before the filter
     run_id, experiment_id = mlflow["run_id"], mlflow.get("experiment_id")
     rows = [("MLflow run", f"{run_id} in {uri}")]
@@ -244,8 +249,10 @@ def _mlflow_rows(mlflow: Mapping[str, Any]) -> list[tuple[str, str]]:
         return rows
     if not uri.startswith(("http://", "https://")):
         rows.append(("serve the UI", f"uv run mlflow ui --backend-store-uri {uri}"))
-    rows.append(("curves", run_charts_url(uri, str(experiment_id), str(run_id))))
-    rows.append(("compare runs", runs_url(uri, str(experiment_id))))
+    experiment_id, run_id = str(experiment_id), str(run_id)
+    rows.append(("loss curve", loss_url(uri, experiment_id, [run_id], CURVES)))
+    rows.append(("all charts", run_charts_url(uri, experiment_id, run_id)))
+    rows.append(("compare runs", runs_url(uri, experiment_id)))
     return rows
 
 
