@@ -346,11 +346,8 @@ def end_abandoned_runs(
     left. Never raises for MLflow: a store that does not answer is said in the line, and the
     spool keeps everything for `sync-mlflow`.
     """
-    from mlflow.exceptions import MlflowException
-    from requests import RequestException
-
     base = Path(run_dir)
-    if not (base / SPOOL_FOLDER).is_dir():
+    if not any((base / SPOOL_FOLDER).glob("*.jsonl")):
         return []
     spools = find_spools(base)
     lines = []
@@ -358,6 +355,10 @@ def end_abandoned_runs(
         status = end_abandoned_spool(spool)
         if status is None:
             continue
+        # Imported only now: a launcher whose folder holds nothing to end never loads MLflow.
+        from mlflow.exceptions import MlflowException
+        from requests import RequestException
+
         records = load_spool(spool).records
         if spool != spools[-1]:
             # A later start already logged to the run: its status is the run's, not this one's.
