@@ -78,11 +78,11 @@ def test_an_unreachable_store_is_one_sentence_with_bounded_waits(tmp_path, capsy
 
     caller = threading.get_ident()
 
-    def spy(self, header):
+    def spy(self, header, **options):
         # Only sync-mlflow's own calls: a writer thread left by another test may still retry.
         if threading.get_ident() == caller:
             seen.append({name: os.environ.get(name) for name in HTTP_VARIABLES})
-        return open_run(self, header)
+        return open_run(self, header, **options)
 
     monkeypatch.setattr(store.MlflowTarget, "open_run", spy)
     assert cli.main(["sync-mlflow", str(tmp_path / "run")]) == 2

@@ -99,6 +99,38 @@ def test_config_is_flattened_into_params():
     assert flat == {"training.steps": "3", "training.lr.warmup": "2", "empty": "{}", "x": "None"}
 
 
+class _Init:
+    """An object configured by instance, as a recipe may hold one."""
+
+
+def test_functions_classes_and_objects_are_params_two_runs_can_compare(tmp_path, sqlite_uri):
+    import functools
+
+    import torch
+
+    config = {
+        "init": torch.nn.init.normal_,
+        "cls": torch.nn.Linear,
+        "partial": functools.partial(torch.nn.init.trunc_normal_, std=0.02),
+        "object": _Init(),
+    }
+    flat = flatten_config({"model": config})
+    assert flat["model.init"] == "torch.nn.init.normal_"
+    assert flat["model.cls"] == "torch.nn.modules.linear.Linear"
+    assert flat["model.partial"] == "functools.partial(torch.nn.init.trunc_normal_, std=0.02)"
+    assert flat["model.object"] == f"<{__name__}._Init object>"
+    assert not any(" at 0x" in value for value in flat.values())
+    logger = MLflowLogger.Config(tracking_uri=sqlite_uri, recipe="tiny_dense").build(
+        run_dir=tmp_path / "run", config_dict={"model": config}
+    )
+    logger.close()
+    written = (logger.spool.path.with_suffix("") / "resolved_config.json").read_text()
+    assert json.loads(written)["model"]["init"] == "torch.nn.init.normal_"
+    assert " at 0x" not in written
+    params = MlflowClient(sqlite_uri).get_run(logger.writer.run_id).data.params
+    assert params["model.init"] == "torch.nn.init.normal_"
+
+
 def test_one_run_with_one_point_per_step_summary_params_tags_and_config(tmp_path, sqlite_uri):
     logger = make_logger(tmp_path / "run", sqlite_uri)
     train_with(logger)

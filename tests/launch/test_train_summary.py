@@ -69,6 +69,46 @@ def test_block_names_every_figure_and_how_to_open_the_mlflow_run():
     )
 
 
+def test_block_links_the_runs_metric_charts_and_the_experiments_runs_to_compare():
+    mlflow = {"run_id": "abc123", "experiment_id": "7", "tracking_uri": "sqlite:///runs/mlflow.db"}
+    ended = ["an earlier start (tiny_dense-1) ended without closing its MLflow run: ..."]
+    rows = summary_rows(format_summary({**_REPORT, "mlflow": mlflow}, None, ended))
+    assert rows["serve the UI"] == "uv run mlflow ui --backend-store-uri sqlite:///runs/mlflow.db"
+    # loss and validation loss on one plot, in the model-training view (not the GenAI overview)
+    assert rows["loss curve"] == (
+        "http://127.0.0.1:5000/#/metric/loss?runs=%5B%22abc123%22%5D&metric=%22loss%22"
+        "&experiments=%5B%227%22%5D&plot_metric_keys=%5B%22loss%22%2C%22validation%2Floss%22%5D"
+        "&plot_layout=%7B%7D&x_axis=step&y_axis_scale=linear&line_smoothness=1&show_point=true"
+        "&deselected_curves=%5B%5D&last_linear_y_axis_range=%5B%5D&workflowType=machine_learning"
+    )
+    # every chart of the run: its model-metrics tab
+    assert rows["all charts"] == (
+        "http://127.0.0.1:5000/#/experiments/7/runs/abc123/model-metrics"
+        "?workflowType=machine_learning"
+    )
+    assert rows["compare runs"] == (
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+        "&compareRunsMode=CHART"
+    )
+    assert rows["earlier start"] == ended[0]
+    served = {**mlflow, "tracking_uri": "https://user:pw@mlflow.example.com/"}
+    rows = summary_rows(format_summary({**_REPORT, "mlflow": served}, None))
+    assert "serve the UI" not in rows  # a tracking server serves its own UI
+    assert rows["all charts"].startswith("https://mlflow.example.com/#/experiments/7/runs/abc123/")
+    assert "pw" not in format_summary({**_REPORT, "mlflow": served}, None)
+
+
+def test_the_pilot_and_train_share_one_url_builder():
+    from qwentitan.launch.tracking.links import compare_url, loss_url, runs_url
+
+    assert compare_url("sqlite:///m.db", "3", ["a", "b"]) == (
+        "http://127.0.0.1:5000/#/compare-runs?runs=%5B%22a%22%2C%22b%22%5D"
+        "&experiments=%5B%223%22%5D&workflowType=machine_learning"
+    )
+    assert loss_url("http://h:5000/", "3", ["a"]).startswith("http://h:5000/#/metric/loss?runs=")
+    assert runs_url("http://h:5000", "3").endswith("compareRunsMode=CHART")
+
+
 def test_block_says_mlflow_off_unconfirmed_and_missing_figures_plainly():
     off = format_summary({"first_step": 1, "last_step": 1, "first_loss": 2.0, "final_loss": 2.0,
                           "mlflow": None}, None)  # fmt: skip

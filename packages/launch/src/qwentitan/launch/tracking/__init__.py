@@ -17,6 +17,7 @@ _HOME = {
     "SummaryLogger": "processor",
     "TrackedMetrics": "processor",
     "tracked_metrics": "processor",
+    "end_abandoned_runs": "store",
     "sync_run_dir": "store",
     "RunSummary": "summary",
     "cost_per_million_tokens": "summary",

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -32,7 +33,12 @@ from torchtitan.config import Configurable
 from qwentitan.checkpoint.files import atomic_file
 from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.tracking.spool import SPOOL_FOLDER, SpoolWriter
+from qwentitan.launch.tracking.spool import (
+    SPOOL_FOLDER,
+    SpoolWriter,
+    folder_run_key,
+    writer_identity,
+)
 from qwentitan.launch.tracking.store import (
     REPORTS_FOLDER,
     REQUEST_TIMEOUT_S,
@@ -41,7 +47,13 @@ from qwentitan.launch.tracking.store import (
     scrubbed,
     without_credentials,
 )
-from qwentitan.launch.tracking.summary import RunSummary, flatten_config, hourly_price, step_values
+from qwentitan.launch.tracking.summary import (
+    RunSummary,
+    comparable,
+    flatten_config,
+    hourly_price,
+    step_values,
+)
 from qwentitan.launch.tracking.writer import BackgroundWriter
 
 log = logging.getLogger(__name__)
@@ -134,14 +146,18 @@ class MLflowLogger(BaseLogger, Configurable):
         # and password; only the writer's MLflow client gets it whole.
         connect_uri = resolve_tracking_uri(config.tracking_uri)
         self.tracking_uri = without_credentials(connect_uri)
-        self.run_key = uuid.uuid4().hex
+        # The run folder's key: a --resume, a requeue or a spot restart continues its MLflow run.
+        self.run_key = folder_run_key(self.run_dir)
         self.summary = RunSummary()
+        self.stopped = False  # a stop with a checkpoint was recorded (`set_tags`, `mark_stopped`)
         self._closed = False
         self._attached: set[Path] = set()
         self._last_step = 0
         all_tags = self._run_tags(tags or {})
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.spool = SpoolWriter(self.run_dir / SPOOL_FOLDER / f"{stamp}-{self.run_key[:8]}.jsonl")
+        self.spool = SpoolWriter(
+            self.run_dir / SPOOL_FOLDER / f"{stamp}-{uuid.uuid4().hex[:8]}.jsonl"
+        )
         self.spool.write(
             "run",
             run_key=self.run_key,
@@ -150,6 +166,7 @@ class MLflowLogger(BaseLogger, Configurable):
             parent_run_id=config.parent_run_id,
             tracking_uri=self.tracking_uri,
             start_ms=now_ms(),
+            **writer_identity(),
         )
         self.writer = BackgroundWriter(
             connect_uri,
@@ -192,7 +209,7 @@ class MLflowLogger(BaseLogger, Configurable):
         """The resolved config as a file beside the spool, attached to the run."""
         resolved = self.spool.path.with_suffix("") / "resolved_config.json"
         try:
-            write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=repr))
+            write_text_atomically(resolved, json.dumps(config_dict, indent=2, default=comparable))
             self.attach(resolved, "config")
         except OSError:
             pass  # a spool folder without room: its warning is said by the spool
@@ -204,9 +221,26 @@ class MLflowLogger(BaseLogger, Configurable):
         self._emit("metrics", step=step, time_ms=now_ms(), values=values)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        """Add or change tags of the run while it logs (for facts known only after a step)."""
+        """Add or change tags of the run while it logs (for facts known only after a step).
+        The stop tags (`stop.cause`, which `TrackedMetrics.record_stop` sets once the stop's
+        checkpoint is saved) also make `close` end the run as KILLED."""
         if not self._closed:
+            if "stop.cause" in tags:
+                self.stopped = True
             self._emit("tags", tags=scrubbed(dict(tags)))
+
+    def mark_stopped(self) -> None:
+        """This start stops early with a checkpoint (signal, deadline, spot, --stop-after):
+        `close` ends the run as KILLED, and a later start in the folder continues it."""
+        self.stopped = True
+
+    def end_status(self) -> str:
+        """How `close` ends the run, in MLflow's words: FAILED while an exception is being
+        handled (torchtitan's `train` closes the trainer in its `except` before re-raising),
+        KILLED after a recorded stop, else FINISHED."""
+        if sys.exc_info()[1] is not None:
+            return "FAILED"
+        return "KILLED" if self.stopped else "FINISHED"
 
     def attach(self, file: str | os.PathLike[str], artifact_path: str = REPORTS_FOLDER) -> None:
         """Upload `file` (inside the run folder) as an artifact of this run, once."""
@@ -218,9 +252,14 @@ class MLflowLogger(BaseLogger, Configurable):
             "artifact", file=os.path.relpath(path, self.run_dir), artifact_path=artifact_path
         )
 
-    def close(self) -> None:
+    def close(self, status: str | None = None) -> None:
+        """Summary, reports, then the `end` record with `status` (FINISHED, KILLED or FAILED;
+        None: `end_status()`), and a bounded wait for MLflow."""
         if self._closed:
             return
+        status = status or self.end_status()
+        if status not in ENDED:
+            raise ValueError(f"close(status={status!r}): give one of {', '.join(ENDED)}")
         with _ACTIVE_LOCK:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
@@ -230,7 +269,7 @@ class MLflowLogger(BaseLogger, Configurable):
         for report in sorted((self.run_dir / REPORTS_FOLDER).glob("*")):
             if report.is_file():
                 self.attach(report)
-        self._emit("end", status="FINISHED", end_ms=now_ms())
+        self._emit("end", status=status, end_ms=now_ms())
         self._closed = True
         confirmed = self.writer.finish(self.config.close_timeout_s)
         self.spool.close()
@@ -254,8 +293,22 @@ class MLflowLogger(BaseLogger, Configurable):
                 self.run_dir,
             )
 
+    def report(self) -> dict[str, str | None]:
+        """What the Summary needs to link the run (`format_summary`'s report["mlflow"]): its id
+        and experiment once MLflow confirmed it (None before), and the store without
+        credentials."""
+        return {
+            "run_id": self.writer.run_id,
+            "experiment_id": self.writer.experiment_id,
+            "tracking_uri": self.tracking_uri,
+        }
+
     def _emit(self, kind: str, **fields: Any) -> None:
         self.writer.send(self.spool.write(kind, **fields))
+
+
+# How a run ends, in MLflow's words (mlflow.entities.RunStatus).
+ENDED = ("FINISHED", "KILLED", "FAILED")
 
 
 def active_loggers() -> list[MLflowLogger]:

@@ -12,7 +12,10 @@ import contextlib
 import errno
 import json
 import logging
+import os
+import socket
 import threading
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -23,8 +26,11 @@ from qwentitan.launch.base.errors import LaunchError
 
 log = logging.getLogger(__name__)
 
-# Spools live in RUN_DIR/SPOOL_FOLDER/<run key>.jsonl, one file per training process that logged.
+# Spools live in RUN_DIR/SPOOL_FOLDER/<time>-<8 hex>.jsonl, one file per training process that
+# logged; every start in one run folder (a --resume, a requeue, a spot restart) logs under the
+# folder's one run key, kept in SPOOL_FOLDER/RUN_KEY_FILE, so they all continue one MLflow run.
 SPOOL_FOLDER = "mlflow_spool"
+RUN_KEY_FILE = "run_key"
 # The longest spool line read; the longest the logger writes is the params record (at most
 # 6,000 characters per value, a few hundred values). A longer line is damaged, never held whole.
 MAX_LINE_BYTES = 16 << 20
@@ -106,6 +112,109 @@ class SpoolWriter:
                 self._file.close()
         self._file = None
         self.failed = error
+
+
+def folder_run_key(run_dir: Path) -> str:
+    """The run key of `run_dir`: made by its first start, read by every later one.
+
+    Created whole and only once (a hard link of a written temporary file fails if another start
+    made the file first); a folder logged before the key had its file takes its oldest spool's.
+    """
+    folder = run_dir / SPOOL_FOLDER
+    path = folder / RUN_KEY_FILE
+    key = _read_key(path)
+    if key is not None:
+        return key
+    key = _oldest_spool_key(folder) or uuid.uuid4().hex
+    temporary = folder / f".{RUN_KEY_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(key + "\n", encoding="utf-8")
+        os.link(temporary, path)
+    except FileExistsError as error:
+        if error.filename == str(folder):
+            return key  # a file where the spool folder goes: the spool warns of it once
+        return _read_key(path) or key  # another start made it first: its key is the folder's
+    except OSError:
+        return key  # best effort, like the spool: this start logs, a later one starts a run
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+    return key
+
+
+def _read_key(path: Path) -> str | None:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text and len(text) <= 64 and text.isalnum() else None
+
+
+def _oldest_spool_key(folder: Path) -> str | None:
+    for spool in sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime):
+        with contextlib.suppress(OSError, LaunchError):
+            return str(read_spool(spool)[0]["run_key"])
+    return None
+
+
+def writer_identity() -> dict[str, Any]:
+    """Who writes a spool (the run record's `host` and `pid`): `spool_is_live` asks later."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def spool_is_live(header: dict[str, Any]) -> bool:
+    """Whether the process that writes this spool still runs (on this host; a spool from
+    another host, or from before the record named its writer, counts as ended)."""
+    pid = header.get("pid")
+    if header.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def abandoned_status(records: list[dict[str, Any]]) -> str:
+    """How a run its writer left without an `end` ended: KILLED if it had recorded a stop with
+    a checkpoint (the `stop.cause` tag: a later --resume continues it), else FAILED."""
+    stopped = any(r["kind"] == "tags" and "stop.cause" in r["tags"] for r in records)
+    return "KILLED" if stopped else "FAILED"
+
+
+def end_abandoned_spool(path: Path) -> str | None:
+    """End a spool its writer left without an `end` record (killed with SIGKILL, lost with its
+    node): KILLED if it had recorded a stop with a checkpoint (the `stop.cause` tag), else
+    FAILED. Returns that status, or None for a spool that ended or whose writer still runs.
+
+    The record is appended (after a newline if the last line was torn) and the file keeps its
+    modification time, so the spools' order (oldest first) stays the order they were written.
+    """
+    try:
+        records = read_spool(path)
+    except (OSError, LaunchError):
+        return None
+    if any(record["kind"] == "end" for record in records) or spool_is_live(records[0]):
+        return None
+    status = abandoned_status(records)
+    end = {"kind": "end", "seq": records[-1]["seq"] + 1, "status": status, "abandoned": True}
+    try:
+        times = path.stat()
+        with path.open("rb+") as spool:
+            line = json.dumps(end, separators=(",", ":")).encode() + b"\n"
+            if spool.seek(0, os.SEEK_END) > 0:
+                spool.seek(-1, os.SEEK_END)
+                if spool.read(1) != b"\n":
+                    line = b"\n" + line  # after a torn last line, not glued to it
+            spool.write(line)
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+    except OSError as error:
+        log.warning("The spool %s cannot be ended (%s).", path, error.strerror or error)
+        return None
+    return status
 
 
 # The fields each kind of record needs; a line without them is damaged (see `load_spool`).

@@ -23,7 +23,14 @@ from typing import Any
 
 from qwentitan.launch.base import env_defaults, scoped_env
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.tracking.spool import SPOOL_FOLDER, find_spools, load_spool
+from qwentitan.launch.tracking.spool import (
+    SPOOL_FOLDER,
+    abandoned_status,
+    end_abandoned_spool,
+    find_spools,
+    load_spool,
+    spool_is_live,
+)
 
 # The folder of a run's reports (RUN_DIR/reports), attached to its MLflow run.
 REPORTS_FOLDER = "reports"
@@ -104,8 +111,14 @@ class MlflowTarget:
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri)
 
-    def open_run(self, header: dict[str, Any]) -> str:
-        """The run with this spool's key, created (in its experiment, under its parent) if absent."""
+    def open_run(self, header: dict[str, Any], *, reopen: bool = False) -> str:
+        """The run with this spool's key, created (in its experiment, under its parent) if absent.
+
+        Every start in one run folder has the folder's key, so a --resume finds the run an
+        earlier start made; with `reopen` (a start that trains now) an ended run is RUNNING
+        again. MLflow 3.x takes metrics, params and tags into a FINISHED or KILLED run (only a
+        deleted one is refused: that one is not found here, and a new run takes the key).
+        """
         experiment_id = self._experiment_id(header["experiment"])
         found = self.client.search_runs(
             [experiment_id],
@@ -113,7 +126,10 @@ class MlflowTarget:
             max_results=1,
         )
         if found:
-            return found[0].info.run_id
+            run = found[0].info
+            if reopen and run.status != "RUNNING":
+                self.client.update_run(run.run_id, status="RUNNING")
+            return run.run_id
         tags = {RUN_KEY_TAG: header["run_key"]}
         if header.get("parent_run_id"):
             tags[PARENT_TAG] = header["parent_run_id"]
@@ -178,6 +194,7 @@ class Replayed:
     last_seq: int
     status: str | None = None  # the status the run was ended with; None: left as it was
     damaged_lines: tuple[int, ...] = ()  # spool lines that could not be read (see load_spool)
+    experiment_id: str | None = None  # the run's experiment (the UI's links need it)
 
 
 def replay(
@@ -186,15 +203,16 @@ def replay(
     base: Path,
     *,
     unfinished: str | None = None,
+    reopen: bool = False,
 ) -> Replayed:
     """Send a spool's records to `target`, skipping whatever the run already holds.
 
     A spool without an `end` record ends its run with status `unfinished` when one is given
     (sync-mlflow: the training is over, so the run must not stay RUNNING); the live writer
-    passes none while training still runs.
+    passes none while training still runs, and `reopen`: its run is RUNNING again.
     """
     header = records[0]
-    run_id = target.open_run(header)
+    run_id = target.open_run(header, reopen=reopen)
     run = target.client.get_run(run_id)
 
     points: dict[tuple[str, int], Point] = {}
@@ -238,6 +256,7 @@ def replay(
         artifacts_added=added,
         last_seq=records[-1]["seq"],
         status=status,
+        experiment_id=run.info.experiment_id,
     )
 
 
@@ -270,11 +289,6 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-# A run whose spool has no `end` record stopped without saying how (killed, crashed, or still
-# training); sync-mlflow ends it as FAILED rather than leave it RUNNING for ever.
-UNFINISHED_STATUS = "FAILED"
-
-
 def sync_run_dir(
     run_dir: str | os.PathLike[str], tracking_uri: str | None = None
 ) -> list[Replayed]:
@@ -282,7 +296,9 @@ def sync_run_dir(
 
     The store is `tracking_uri`, else `$MLFLOW_TRACKING_URI`, else the one the run was logging
     to. Reports that appeared in RUN_DIR/reports after a run ended go to the newest run. Damaged
-    spool lines are skipped and listed in each result's `damaged_lines`. MLflow gets the bounded
+    spool lines are skipped and listed in each result's `damaged_lines`. A spool without an
+    `end` record whose writer is gone ends its run KILLED (it had recorded a stop) or FAILED,
+    never left RUNNING; one whose writer still runs on this host is left to it. MLflow gets the bounded
     HTTP waits training uses; a store that does not answer is a LaunchError.
     """
     from mlflow.exceptions import MlflowException
@@ -294,6 +310,9 @@ def sync_run_dir(
     for number, spool in enumerate(spools):
         loaded = load_spool(spool)
         records = loaded.records
+        # A spool whose writer still trains is left RUNNING (its writer ends it); one whose
+        # writer died ends KILLED or FAILED (`abandoned_status`), the spool left as it is.
+        unfinished = None if spool_is_live(records[0]) else abandoned_status(records)
         base = spool.parent.parent if spool.parent.name == SPOOL_FOLDER else spool.parent
         uri = resolve_tracking_uri(
             tracking_uri or env_defaults.configured_tracking_uri() or records[0].get("tracking_uri")
@@ -304,7 +323,7 @@ def sync_run_dir(
             with bounded_http_waits(), _one_writer(uri):
                 if uri not in targets:
                     targets[uri] = MlflowTarget(uri)
-                done = replay(targets[uri], records, base, unfinished=UNFINISHED_STATUS)
+                done = replay(targets[uri], records, base, unfinished=unfinished)
         except (MlflowException, RequestException) as error:
             raise LaunchError(
                 f"MLflow at {without_credentials(uri)} cannot be used ({_reason(error)}; each "
@@ -314,6 +333,54 @@ def sync_run_dir(
             ) from None
         results.append(dataclasses.replace(done, damaged_lines=loaded.damaged_lines))
     return results
+
+
+def end_abandoned_runs(
+    run_dir: str | os.PathLike[str], tracking_uri: str | None = None
+) -> list[str]:
+    """End the MLflow run of every spool in `run_dir` whose writer died without ending it
+    (SIGKILL, a lost node): its spool gets an `end` record (KILLED if it had recorded a stop
+    with a checkpoint, else FAILED), what MLflow lacks is sent, and, when it is the folder's
+    newest spool, the run takes that status. Returns one line per such spool for the Summary of
+    the command that called it (`train`, `--resume`, `sync-mlflow`); none when nothing was
+    left. Never raises for MLflow: a store that does not answer is said in the line, and the
+    spool keeps everything for `sync-mlflow`.
+    """
+    base = Path(run_dir)
+    if not any((base / SPOOL_FOLDER).glob("*.jsonl")):
+        return []
+    spools = find_spools(base)
+    lines = []
+    for spool in spools:
+        status = end_abandoned_spool(spool)
+        if status is None:
+            continue
+        # Imported only now: a launcher whose folder holds nothing to end never loads MLflow.
+        from mlflow.exceptions import MlflowException
+        from requests import RequestException
+
+        records = load_spool(spool).records
+        if spool != spools[-1]:
+            # A later start already logged to the run: its status is the run's, not this one's.
+            records = [record for record in records if record["kind"] != "end"]
+        header = records[0]
+        uri = resolve_tracking_uri(
+            tracking_uri or env_defaults.configured_tracking_uri() or header.get("tracking_uri")
+        )
+        said = f"an earlier start ({header.get('run_name') or spool.name}) ended without closing its MLflow run"
+        try:
+            with bounded_http_waits(), _one_writer(uri):
+                done = replay(MlflowTarget(uri), records, base)
+        except (MlflowException, RequestException, OSError) as error:
+            lines.append(
+                f"{said}; its spool {spool.name} now says {status}, but MLflow at "
+                f"{without_credentials(uri)} could not be reached ({_reason(error)}): run "
+                f"`qwentitan-launch sync-mlflow {base}`"
+            )
+            continue
+        ended = f"ended as {status}" if done.status else "left to the later start's status"
+        lines.append(f"{said}: MLflow run {done.run_id} {ended} ({done.points_added} points sent)")
+    return lines
 
 
 @contextlib.contextmanager

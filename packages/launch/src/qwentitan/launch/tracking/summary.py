@@ -13,15 +13,17 @@ metric rather than a made-up one. The same figures end every `train` on the cons
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qwentitan.launch.base.target import PRICE_AS_OF, PRICE_SOURCE, TARGETS
+from qwentitan.launch.tracking.links import LOCAL_UI, loss_url, run_charts_url, runs_url
 from qwentitan.launch.tracking.store import without_credentials
 
 # torchtitan 0.3.0 key (components/metrics.py, trainer.py) -> MLflow key.
@@ -65,8 +67,35 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str
         if isinstance(value, Mapping) and value:
             flat.update(flatten_config(value, name))
         else:
-            flat[_NOT_ALLOWED.sub("_", name)] = str(value)[:PARAM_VALUE_LIMIT]
+            flat[_NOT_ALLOWED.sub("_", name)] = comparable(value)[:PARAM_VALUE_LIMIT]
     return flat
+
+
+# A repr that holds a memory address (`<function normal_ at 0x7f6f43657100>`) differs between
+# any two runs, so two runs with the same setting would seem to differ.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def qualified_name(value: Any) -> str | None:
+    """`torch.nn.init.normal_` for a function, class or other named object; None for a value."""
+    if isinstance(value, functools.partial):
+        args = [comparable(a) for a in value.args]
+        args += [f"{k}={comparable(v)}" for k, v in value.keywords.items()]
+        return f"functools.partial({comparable(value.func)}{''.join(', ' + a for a in args)})"
+    name = getattr(value, "__qualname__", None)
+    if not isinstance(name, str) or not (callable(value) or isinstance(value, type)):
+        return None
+    module = getattr(value, "__module__", None)
+    return f"{module}.{name}" if isinstance(module, str) and module else name
+
+
+def comparable(value: Any) -> str:
+    """A config value as text two runs can compare: a function or class by its qualified name,
+    an object's repr without its memory address, anything else as `str` gives it."""
+    named = qualified_name(value)
+    if named is not None:
+        return named
+    return _ADDRESS.sub("", str(value))
 
 
 def hourly_price(instance_type: str, configured: float | None = None) -> tuple[float, str] | None:
@@ -157,8 +186,11 @@ def step_values(metrics: Mapping[str, Any], world_size: int) -> dict[str, float]
     return values
 
 
-def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | None) -> str:
-    """The block that ends `train`: what a user reads first, from RUN_DIR/reports/summary.json."""
+def format_summary(
+    report: Mapping[str, Any], checkpoint_folder: str | Path | None, ended: Sequence[str] = ()
+) -> str:
+    """The block that ends `train`: what a user reads first, from RUN_DIR/reports/summary.json;
+    `ended`: the lines of `end_abandoned_runs`, said after the MLflow rows."""
 
     def number(key: str) -> str:
         value = report.get(key)
@@ -189,18 +221,39 @@ def format_summary(report: Mapping[str, Any], checkpoint_folder: str | Path | No
             )
         )
     else:
-        uri = without_credentials(str(mlflow["tracking_uri"]))  # a report written before the filter
-        rows.append(("MLflow run", f"{mlflow['run_id']} in {uri}"))
-        rows.append(
-            (
-                "open it",
-                f"uv run mlflow ui --backend-store-uri {uri}  then "
-                f"http://127.0.0.1:5000/#/runs/{mlflow['run_id']}",
-            )
-        )
+        rows += _mlflow_rows(mlflow)
+    rows += [("earlier start", line) for line in ended]
     width = max(len(name) for name, _ in rows)
     lines = [f"  {name:<{width}}  {text}" for name, text in rows]
     return "\n".join(["Summary", *lines])
+
+
+# What the Summary's first link plots: the training loss, and the held-out loss beside it.
+CURVES = ("loss", "validation/loss")
+
+
+def _mlflow_rows(mlflow: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The run, how to serve the UI for a local store, and the pages that show its curves: its
+    loss and validation loss on one plot, all its metric charts, and the experiment's runs to
+    compare it with (`tracking.links`)."""
+    uri = without_credentials(str(mlflow["tracking_uri"]))  # a report written before the filter
+    run_id, experiment_id = mlflow["run_id"], mlflow.get("experiment_id")
+    rows = [("MLflow run", f"{run_id} in {uri}")]
+    if experiment_id is None:  # a report that does not name the experiment: the run's overview
+        rows.append(
+            (
+                "open it",
+                f"uv run mlflow ui --backend-store-uri {uri}  then {LOCAL_UI}/#/runs/{run_id}",
+            )
+        )
+        return rows
+    if not uri.startswith(("http://", "https://")):
+        rows.append(("serve the UI", f"uv run mlflow ui --backend-store-uri {uri}"))
+    experiment_id, run_id = str(experiment_id), str(run_id)
+    rows.append(("loss curve", loss_url(uri, experiment_id, [run_id], CURVES)))
+    rows.append(("all charts", run_charts_url(uri, experiment_id, run_id)))
+    rows.append(("compare runs", runs_url(uri, experiment_id)))
+    return rows
 
 
 def _tokens_per_second(report: Mapping[str, Any]) -> str:

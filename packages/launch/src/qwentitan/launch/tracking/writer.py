@@ -44,6 +44,7 @@ class BackgroundWriter:
         # which outlive a spool that could not be written.
         self._records = records or (lambda: read_spool(spool_path))
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.error: BaseException | None = None
         self.sent_seq = -1  # every record up to this sequence number is in MLflow
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=max_queued)
@@ -97,8 +98,10 @@ class BackgroundWriter:
 
     def _catch_up(self, target: MlflowTarget) -> None:
         """Replay the spool so far: creates the run the first time, fills any gap after a failure."""
-        done = replay(target, self._records(), self.run_dir)
+        # This start trains now: a run an earlier start in the folder ended is RUNNING again.
+        done = replay(target, self._records(), self.run_dir, reopen=True)
         self.run_id = done.run_id
+        self.experiment_id = done.experiment_id
         self.sent_seq = done.last_seq
         if self.error is not None:
             log.warning(

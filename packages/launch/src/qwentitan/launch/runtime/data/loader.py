@@ -18,6 +18,14 @@ taking its part, so at every batch boundary all ranks hold one read position: it
 under one key (`POSITION`), and a run resumes from it with any data-parallel degree. The price
 is that every rank tokenizes every window (about 65k tokens a step for a global batch of 16 x
 4096, a small fraction of a step), and streams all of a Hub dataset's text.
+
+One held-out set for every layout: a validation loader (`split="validation"`) reads the first
+`validation_windows` windows of the held-out stream, dealt in the same rounds, and then ends.
+The last round is filled with windows whose labels are all ignored, so every rank runs the
+same number of batches (no rank waits in a collective another never joins), and torchtitan's
+validator, which divides the summed loss by the tokens that count, averages over exactly those
+windows: the same `validation/loss` for any data-parallel degree. torchtitan's own loader gives
+each rank windows of its own, so its held-out set grows with the number of ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
@@ -199,22 +209,31 @@ class _TextDataset(HuggingFaceTextDataset):
         dp_rank: int = 0,
         dp_world_size: int = 1,
         local_batch_size: int = 1,
+        held_out: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, dp_rank=0, dp_world_size=1, **kwargs)  # the one global stream
         self._round = local_batch_size * dp_world_size
         self._slot = slice(dp_rank * local_batch_size, (dp_rank + 1) * local_batch_size)
+        # Validation: this many windows in all, then the end (0: the stream as it runs).
+        self._held_out = held_out
         # This rank's windows of the round read last, not yet out: none at a batch boundary
         # (a batch is one slot), where torchtitan saves the position.
         self._pending: list[Any] = []
 
     def __iter__(self) -> Iterator[Any]:
         windows = super().__iter__()
+        if self._held_out:
+            windows = itertools.islice(windows, self._held_out)
         while True:
             if not self._pending:
                 # Read the whole round, every rank's windows, before handing out this rank's:
                 # the read position is then the same on all ranks at a batch boundary.
-                self._pending = list(itertools.islice(windows, self._round))[self._slot]
+                round_ = list(itertools.islice(windows, self._round))
+                if self._held_out and round_:
+                    # The held-out set's last round, filled up: every rank a whole batch.
+                    round_ += [_ignored(round_[0])] * (self._round - len(round_))
+                self._pending = round_[self._slot]
                 if not self._pending:
                     return  # a finite split ran out
             yield self._pending.pop(0)
@@ -236,6 +255,12 @@ class _TextDataset(HuggingFaceTextDataset):
             )
             raise SystemExit(2)  # one sentence, not a traceback per rank
         super().reloop()
+
+
+def _ignored(window: tuple[dict[str, torch.Tensor], torch.Tensor]) -> Any:
+    """`window` with every label ignored: a filler that adds no loss and no token to count."""
+    inputs, labels = window
+    return inputs, torch.full_like(labels, IGNORE_INDEX)
 
 
 @contextlib.contextmanager
@@ -273,6 +298,12 @@ class TextDataLoader(ParallelAwareDataloader):
         infinite: bool = True
         """Loop over the data again when it runs out."""
 
+        validation_windows: int = 8
+        """With `split="validation"`: the held-out windows each validation reads, the same
+        ones for any data-parallel degree (looping over the split if it is shorter); then the
+        loader ends, so torchtitan's `Validator.Config.steps` only caps it (-1: all of them).
+        0: each rank reads windows of its own until `steps` (torchtitan's behaviour)."""
+
     def __init__(
         self,
         config: Config,
@@ -285,6 +316,12 @@ class TextDataLoader(ParallelAwareDataloader):
         snapshot_every_n_steps: int | None = 1,
         **kwargs: Any,
     ) -> None:
+        held_out = config.validation_windows if config.split == "validation" else 0
+        if held_out < 0:
+            raise LaunchError(
+                f"validation_windows is {held_out}; give a positive number of held-out windows, "
+                "or 0 for each rank's own."
+            )
         with _said_in_one_sentence():
             key = _register(resolve_dataset(config.dataset), config.split, config.holdout_every)
             dataset = _TextDataset(
@@ -295,7 +332,8 @@ class TextDataLoader(ParallelAwareDataloader):
                 dp_rank=dp_rank,
                 dp_world_size=dp_world_size,
                 local_batch_size=local_batch_size,
-                infinite=config.infinite,
+                held_out=held_out,
+                infinite=config.infinite or held_out > 0,
             )
         super().__init__(
             dataset,
