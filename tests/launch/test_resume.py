@@ -5,6 +5,7 @@ import contextlib
 import io
 import math
 import re
+import urllib.parse
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,7 +130,9 @@ def test_train_ends_with_the_summary_and_without_the_noise(uninterrupted):
     uri = f"sqlite:///{root / 'mlflow.db'}"
     logged = MlflowClient(uri).get_run(run_id)
     assert logged.data.metrics["summary/first_loss"] == pytest.approx(losses[1][0], abs=1e-4)
-    assert f"--backend-store-uri {uri}" in rows["open it"] and rows["open it"].endswith(run_id)
+    assert rows["serve the UI"] == f"uv run mlflow ui --backend-store-uri {uri}"
+    assert f"/runs/{run_id}/model-metrics?" in rows["all charts"]
+    assert f'"{run_id}"' in urllib.parse.unquote(rows["loss curve"])
 
 
 def test_resume_continues_exactly(uninterrupted, train, tmp_path):

@@ -112,7 +112,8 @@ def _tiny(name: str, flavor: str, *, lr: float) -> Trainer.Config:
         validator=PausableValidator.Config(
             enable=True,
             freq=10,
-            steps=2,
+            # The loader's 8 held-out windows (validation_windows), whatever the layout.
+            steps=8,
             dataloader=TextDataLoader.Config(dataset=OFFLINE, split="validation"),
         ),
         comm=CommConfig(init_timeout_seconds=120, train_timeout_seconds=120),

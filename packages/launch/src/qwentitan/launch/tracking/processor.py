@@ -203,7 +203,7 @@ class SummaryLogger(BaseLogger):
         figures = {key.removeprefix("summary/"): v for key, v in self.summary.metrics().items()}
         mlflow = None
         if self.mlflow is not None:
-            mlflow = {"run_id": self.mlflow.writer.run_id, "tracking_uri": self.mlflow.tracking_uri}
+            mlflow = self.mlflow.report()
         report = {
             "first_step": self.summary.first_step,
             "last_step": self.summary.last_step,

@@ -97,9 +97,12 @@ def train_plan(
     folder held; then the summary block. Reads only the plan's plain facts: no torch here."""
     from qwentitan.launch.launcher import supervisor
     from qwentitan.launch.launcher.run_folder import hold_run_folder
+    from qwentitan.launch.tracking.store import end_abandoned_runs
 
     for line in said:
         print(line, flush=True)
+    # A start of this folder killed with SIGKILL left its MLflow run RUNNING; end it first.
+    ended = end_abandoned_runs(plan.run_folder)
     print(
         "qwentitan-launch train: starting the ranks; each loads torch and torchtitan and builds "
         "the model before its first line.",
@@ -108,9 +111,12 @@ def train_plan(
     started = time.time()
     with hold_run_folder(plan.run_folder):
         code = (supervise or supervisor.supervise)(plan.launch_argv(), plan.rank_env())
-    block = _summary_block(plan.summary_file, plan.checkpoints, started)
+    block = _summary_block(plan.summary_file, plan.checkpoints, started, ended)
     if block is not None:
         print(block, flush=True)
+    else:
+        for line in ended:
+            print(f"qwentitan-launch train: {line}", flush=True)
     return code
 
 
@@ -160,11 +166,14 @@ def _run_folder(recipe: str, given: str | None, resume: str) -> tuple[Path, bool
     return new_run_folder(base), True
 
 
-def _summary_block(path: Path, checkpoint_folder: str | None, started: float) -> str | None:
-    """The block the metrics rank left for this run (None if it wrote none: a failed start)."""
+def _summary_block(
+    path: Path, checkpoint_folder: str | None, started: float, ended: list[str]
+) -> str | None:
+    """The block the metrics rank left for this run (None if it wrote none: a failed start),
+    with the earlier starts whose MLflow run this command ended (`ended`)."""
     from qwentitan.launch.tracking.summary import format_summary
 
     # An earlier run's file (a run folder continued with --resume) is not this run's summary.
     if not path.is_file() or path.stat().st_mtime < started:
         return None
-    return format_summary(json.loads(path.read_text(encoding="utf-8")), checkpoint_folder)
+    return format_summary(json.loads(path.read_text(encoding="utf-8")), checkpoint_folder, ended)

@@ -12,15 +12,16 @@ from typing import Any
 from qwentitan.launch.launcher.pilot.compare import PAIRS, Pair, PairResult, compare
 
 _RUN = "qwentitan.launch.launcher.pilot.run"
+_LINKS = "qwentitan.launch.tracking.links"  # the one builder of MLflow UI pages
 _LAZY = {
     "PILOT_EXPERIMENT": _RUN,
     "Pilot": _RUN,
     "child_overrides": _RUN,
-    "compare_url": _RUN,
-    "loss_url": _RUN,
+    "compare_url": _LINKS,
+    "loss_url": _LINKS,
     "pilot_request": _RUN,
     "run_pilot": _RUN,
-    "runs_url": _RUN,
+    "runs_url": _LINKS,
     "start_overrides": _RUN,
 }
 

@@ -17,11 +17,9 @@ other data shows as a loss difference to its baseline.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
-import urllib.parse
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,11 +34,11 @@ from qwentitan.launch.launcher.plan import resolve_plan
 from qwentitan.launch.launcher.plan_cli import LAYOUT
 from qwentitan.launch.launcher.request import RunRequest
 from qwentitan.launch.launcher.supervisor import SignalForwarder, ranks_of
+from qwentitan.launch.tracking.links import compare_url, loss_url, runs_url
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
 from qwentitan.launch.tracking.store import PARENT_TAG, MlflowTarget, now_ms, without_credentials
 
 PILOT_EXPERIMENT = "qwentitan-pilot"
-LOCAL_UI = "http://127.0.0.1:5000"  # where `uv run nox -s mlflow_ui` serves a local store
 PLOT = "pilot_losses.png"
 # `--perturb CHILD` starts that child from a copy of its pair's checkpoint with this weight
 # scaled by PERTURB_SCALE (a mesh child: from its recipe's initialisation with the next seed):
@@ -316,57 +314,6 @@ def child_overrides(uri: str, experiment: str, parent_run_id: str, run_name: str
         "--metrics.mlflow.parent_run_id", parent_run_id,
         "--metrics.mlflow.run_name", run_name,
     ]  # fmt: skip
-
-
-def compare_url(tracking_uri: str, experiment_id: str, run_ids: list[str]) -> str:
-    """The MLflow UI page showing these runs side by side (the UI's own compare-runs route)."""
-    query = {
-        "runs": _json(run_ids),
-        "experiments": _json([experiment_id]),
-        **_MODEL_TRAINING,
-    }
-    return f"{_ui(tracking_uri)}/#/compare-runs?{urllib.parse.urlencode(query)}"
-
-
-def loss_url(tracking_uri: str, experiment_id: str, run_ids: list[str]) -> str:
-    """The UI's metric page: these runs' loss curves on one plot, with a table of their values
-    (its own route, with the parameters its getMetricPageRoute writes)."""
-    query = {
-        "runs": _json(run_ids),
-        "metric": _json("loss"),
-        "experiments": _json([experiment_id]),
-        "plot_metric_keys": _json(["loss"]),
-        "plot_layout": "{}",
-        "x_axis": "step",
-        "y_axis_scale": "linear",
-        "line_smoothness": "1",
-        "show_point": "true",
-        "deselected_curves": "[]",
-        "last_linear_y_axis_range": "[]",
-        **_MODEL_TRAINING,
-    }
-    return f"{_ui(tracking_uri)}/#/metric/loss?{urllib.parse.urlencode(query)}"
-
-
-def runs_url(tracking_uri: str, experiment_id: str) -> str:
-    """The experiment's runs with their metric charts, in the UI's model-training view."""
-    query = urllib.parse.urlencode({**_MODEL_TRAINING, "compareRunsMode": "CHART"})
-    return f"{_ui(tracking_uri)}/#/experiments/{experiment_id}/runs?{query}"
-
-
-# MLflow 3.17's UI follows a global GenAI / Model training switch (GenAI unless the browser
-# has chosen otherwise) and opens any experiment on its traces overview under GenAI, whatever
-# the experiment's kind tag says; this parameter of its own URLs picks model training.
-_MODEL_TRAINING = {"workflowType": "machine_learning"}
-
-
-def _json(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
-def _ui(tracking_uri: str) -> str:
-    served = tracking_uri.startswith(("http://", "https://"))
-    return (tracking_uri if served else LOCAL_UI).rstrip("/")
 
 
 def _start_checkpoint(folder: Path, flavor: str, seed: int) -> Path:
