@@ -5,8 +5,8 @@ import contextlib
 import io
 import math
 import re
-import urllib.parse
 import shutil
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
