@@ -103,9 +103,26 @@ def test_resume_without_an_earlier_run(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     message = refused(capsys, "--resume")
     assert message == (
-        f"There is no run of tiny_dense to resume in {tmp_path.resolve()}/outputs/tiny_dense; "
-        "run once without --resume first, or pass the --run-dir of an earlier run."
+        f"There is no run of tiny_dense with a checkpoint to resume in {tmp_path.resolve()}/"
+        "outputs/tiny_dense; run once without --resume first, or pass the --run-dir of an "
+        "earlier run."
     )
+
+
+def test_resume_finds_the_newest_run_that_saved_a_checkpoint(tmp_path):
+    """`latest` names the newest start; --resume continues the newest that holds a checkpoint,
+    not a newer start stopped before its first save."""
+    from qwentitan.launch.launcher.run_folder import point_latest, resumable_run_folder
+
+    base = tmp_path / "outputs" / "tiny_dense"
+    assert resumable_run_folder(base) is None
+    for name in ("20261206-224537", "20261206-231404", "20261206-231404-2", "20261206-232617"):
+        point_latest(base / name)
+    for name, step in (("20261206-231404", 40), ("20261206-231404-2", 20)):
+        (base / name / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        (base / name / "checkpoint" / f"step-{step}" / ".metadata").write_bytes(b"")
+    assert (base / "latest").resolve().name == "20261206-232617"  # stopped before any save
+    assert resumable_run_folder(base) == (base / "20261206-231404-2").resolve()
 
 
 def test_run_dir_holding_checkpoints_is_refused_without_resume(capsys, launched, tmp_path):

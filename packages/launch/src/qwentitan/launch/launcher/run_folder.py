@@ -34,11 +34,11 @@ __all__ = [
     "check_run_folder",
     "checkpoint_bytes",
     "hold_run_folder",
-    "latest_run_folder",
     "new_run_folder",
     "planned_checkpoint_bytes",
     "point_latest",
     "resolved",
+    "resumable_run_folder",
 ]
 
 LATEST = "latest"
@@ -127,13 +127,25 @@ def point_latest(folder: Path) -> None:
     temporary.replace(folder.parent / LATEST)
 
 
-def latest_run_folder(base: Path) -> Path | None:
-    """The run folder `base/latest` points at, or None when there is none."""
-    latest = base / LATEST
-    if not latest.is_symlink():
-        return None
-    target = resolved(latest)
-    return target if target.is_dir() else None
+# torchtitan's default `checkpoint.folder`, which every recipe keeps.
+CHECKPOINT_FOLDER = "checkpoint"
+
+
+def resumable_run_folder(base: Path) -> Path | None:
+    """The newest run folder under `base` that holds a checkpoint, or None: what `--resume`
+    continues. `latest` may name a newer run stopped before its first save, whose folder has
+    nothing to resume."""
+    from qwentitan.launch.launcher.resume import saved_steps
+
+    def started(folder: Path) -> tuple[str, int]:  # `<time>` or `<time>-<n>` (new_run_folder)
+        stamp, n = folder.name[:15], folder.name[16:]
+        return stamp, int(n) if n.isdigit() else 1
+
+    runs = [f for f in base.iterdir() if f.is_dir() and not f.is_symlink()] if base.is_dir() else []
+    for folder in sorted(runs, key=started, reverse=True):
+        if saved_steps(folder / CHECKPOINT_FOLDER):
+            return resolved(folder)
+    return None
 
 
 def resolved(folder: Path) -> Path:

@@ -149,18 +149,19 @@ def _request(args: argparse.Namespace) -> tuple[RunRequest, bool]:
 
 def _run_folder(recipe: str, given: str | None, resume: str) -> tuple[Path, bool]:
     """`given`, else the latest run of `recipe` when resuming, else a new folder."""
-    from qwentitan.launch.launcher.run_folder import latest_run_folder, new_run_folder
+    from qwentitan.launch.launcher.run_folder import new_run_folder, resumable_run_folder
 
     base = Path("outputs") / recipe
     if given is not None:
         return Path(given), False
-    latest = latest_run_folder(base) if resume != "fresh" else None
-    if latest is not None:
-        return latest, False
+    # The newest run that saved a checkpoint: `latest` may be a newer start that saved none.
+    found = resumable_run_folder(base) if resume != "fresh" else None
+    if found is not None:
+        return found, False
     if resume == "latest":
         raise LaunchError(
-            f"There is no run of {recipe} to resume in {base.resolve()}; run once without "
-            "{resume} first, or pass the {run_dir} of an earlier run.",
+            f"There is no run of {recipe} with a checkpoint to resume in {base.resolve()}; run "
+            "once without {resume} first, or pass the {run_dir} of an earlier run.",
             field="resume",
         )
     return new_run_folder(base), True
