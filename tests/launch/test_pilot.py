@@ -409,3 +409,18 @@ def test_the_mesh_pilot_refuses_a_layout_flag_of_its_own(tmp_path, capsys):
         "qwentitan-launch pilot: The mesh pilot places every child on its own layout; drop --tp.\n"
     )
     assert os.listdir(tmp_path) == []
+
+
+def test_one_ctrl_c_relayed_three_times_is_one_request():
+    """A terminal signals the whole process group and `uv run` and nox relay it again within a
+    fraction of a second: that is one Ctrl-C. A second one a second later is a second request
+    (which the ranks take as "stop at once")."""
+    from qwentitan.launch.launcher import supervisor
+
+    clock = iter([100.0, 100.2, 100.4, 101.5])
+    forwarder = supervisor.SignalForwarder(clock=lambda: next(clock))
+    for _ in range(3):
+        forwarder._on_signal(signal.SIGINT, None)
+    assert forwarder.received == [signal.SIGINT]
+    forwarder._on_signal(signal.SIGINT, None)
+    assert forwarder.received == [signal.SIGINT, signal.SIGINT]

@@ -50,6 +50,11 @@ STOPPED_EXIT = 75
 # How often `SignalForwarder` looks up its targets while no signal waits, so that a child dying
 # without passing a signal on (a killed torchrun agent) leaves a recent list of them.
 _TARGETS_EVERY_S = 1.0
+# A terminal's Ctrl-C reaches every process of its foreground group, and `uv run` and nox relay
+# it to their child again within a fraction of a second: one keypress can arrive two or three
+# times. Signals of one kind this close together are one request; a person's second Ctrl-C,
+# which stops at once, comes later.
+SAME_REQUEST_S = 1.0
 
 
 def ignore_sigusr1() -> None:
@@ -100,6 +105,7 @@ class SignalForwarder:
         *,
         interrupting: bool = False,
         poll_seconds: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.targets = targets
         self.interrupting = interrupting
@@ -108,6 +114,8 @@ class SignalForwarder:
         self.last_targets: list[int] = []  # as last seen, for when the child dies without them
         self._running = False
         self._previous: dict[signal.Signals, Any] = {}
+        self._first_of_request: dict[signal.Signals, float] = {}
+        self._clock = clock
 
     def __enter__(self) -> SignalForwarder:
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
@@ -119,7 +127,11 @@ class SignalForwarder:
         self._previous = {}
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.received.append(signal.Signals(signum))
+        sig, now = signal.Signals(signum), self._clock()
+        if now - self._first_of_request.get(sig, -SAME_REQUEST_S) < SAME_REQUEST_S:
+            return  # the same request, relayed once more
+        self._first_of_request[sig] = now
+        self.received.append(sig)
         if self.interrupting and not self._running:
             raise KeyboardInterrupt
 
