@@ -30,6 +30,23 @@ def test_unknown_recipe(capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("typed", "hint"),
+    [
+        (["--training.steps", "5"], "use --steps (or torchtitan's options go after `--`, as "
+         "`-- --training.steps VALUE`)."),
+        (["--model.flavor", "x"], "torchtitan's options go after `--`, as "
+         "`-- --model.flavor VALUE`."),
+    ],
+)  # fmt: skip
+def test_a_torchtitan_option_where_a_flag_goes_gets_a_hint(capsys, typed, hint):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["train", *typed])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("qwentitan-launch: unrecognized arguments: ") and err.endswith(hint)
+
+
 def test_missing_dataset_path(capsys, tmp_path):
     missing = tmp_path / "nowhere" / "train.jsonl"
     message = refused(capsys, "--dataset", str(missing), "--run-dir", str(tmp_path))
