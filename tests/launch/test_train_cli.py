@@ -24,9 +24,9 @@ def refused(capsys, *argv):
 def test_unknown_recipe(capsys):
     message = refused(capsys, "--recipe", "tiny_gpt")
     assert (
-        message == "Unknown recipe 'tiny_gpt'; choose one of qwen3_4b_hf, qwen3_4b_native, "
-        "qwen3_8b_tp4_fsdp16_sac, qwen3_moe_kernels, tiny_dense, tiny_dense_untied, tiny_hf, "
-        "tiny_moe, tiny_moe_kernels, tiny_tp2_fsdp2_sac."
+        message == "Unknown recipe 'tiny_gpt'; choose one of qwen3_30b_a3b_tp4_fsdp16, "
+        "qwen3_4b_hf, qwen3_4b_native, qwen3_8b_tp4_fsdp16_sac, qwen3_moe_kernels, tiny_dense, "
+        "tiny_dense_untied, tiny_hf, tiny_moe, tiny_moe_kernels, tiny_tp2_fsdp2_sac."
     )
 
 
