@@ -113,6 +113,7 @@ class TestStopClock:
         clock.boundary(now=1000.0)  # training starts; validation of step 1 asks at 1060
         assert not clock.due(now=1020.0)  # 20 s so far: 1020 + 20 + 2 + 10 < 1100
         assert clock.due(now=1045.0)  # 45 s so far: 1045 + 45 + 2 + 10 >= 1100
+        assert clock.decision["step_s"] == 45.0  # the report says the step it counted
 
     def test_a_timed_save_replaces_the_estimate_and_leaves_the_step_time(self):
         clock = self.clock(left=100.0, save_s=50.0)

@@ -75,13 +75,17 @@ class StopClock:
             self.step_s = max(self._recent) if self._recent else self._first
         self._last_boundary, self._saving_s = now, 0.0
 
+    def _step(self, now: float) -> float:
+        """The step the budget counts: the measured one, else (before a step was measured) the
+        one running since the last boundary."""
+        if self.step_s is not None:
+            return self.step_s
+        return now - self._last_boundary if self._last_boundary is not None else 0.0
+
     def due(self, now: float | None = None) -> bool:
         """True when one more step and a save would not end `margin_s` before the deadline."""
         now = time.time() if now is None else now
-        step = self.step_s
-        if step is None:  # before a step was measured: the one running since the last boundary
-            step = now - self._last_boundary if self._last_boundary is not None else 0.0
-        due = now + step + self.save_s + self.margin_s >= self.deadline
+        due = now + self._step(now) + self.save_s + self.margin_s >= self.deadline
         if due and self.decision is None:
             self.decision = self.figures(now)
         return due
@@ -94,7 +98,7 @@ class StopClock:
             "seconds_left": round(self.deadline - now, 2),
             "save_s": round(self.save_s, 2),
             "save_measured": self.save_measured,
-            "step_s": round(self.step_s or 0.0, 2),
+            "step_s": round(self._step(now), 2),  # what `due` counted, also mid-first-step
             "margin_s": self.margin_s,
         }
 
