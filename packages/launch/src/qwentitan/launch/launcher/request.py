@@ -53,6 +53,10 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
 # Overrides that would choose what torchtitan's parser imports and which config it builds
 # (`--module` imports any installed module) or load a config file: the recipe names those.
 _RESERVED = ("--module", "--config", "--job.", "--job-")
+# torchtitan 0.3.0's `Trainer.__init__` imports every module `override.imports` names (its only
+# other import by name, besides `--module`); a run imports no code a plan or an override names.
+_IMPORTING = ("--override.", "--override-")
+_IMPORTS_WHY = "torchtitan would import the module it names, and a run imports no code by name"
 
 
 def override_refusal(word: str) -> str | None:
@@ -60,6 +64,8 @@ def override_refusal(word: str) -> str | None:
     name = word.split("=", 1)[0]
     if name in _RESERVED[:2] or name.startswith(_RESERVED[2:]):
         return "the recipe alone chooses torchtitan's module and config"
+    if name.startswith(_IMPORTING):
+        return _IMPORTS_WHY
     return None
 
 
@@ -135,10 +141,8 @@ class RunRequest:
         for word in self.overrides:
             why = override_refusal(word)
             if why:
-                raise LaunchError(
-                    f"The override {word} is refused: {why}; pass {{recipe}} NAME instead.",
-                    field="recipe",
-                )
+                fix = "drop it" if why == _IMPORTS_WHY else "pass {recipe} NAME instead"
+                raise LaunchError(f"The override {word} is refused: {why}; {fix}.", field="recipe")
         if self.stop_by is not None:
             object.__setattr__(self, "stop_by", _absolute_stop_by(self.stop_by))
 
