@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qwentitan.launch.base.deadline import format_utc, parse_stop_by
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.remote import is_remote, local_folder
+from qwentitan.launch.launcher.remote import canonical_url, is_remote, local_folder
 
 __all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest", "override_refusal"]
 
@@ -145,6 +145,8 @@ class RunRequest:
                 raise LaunchError(f"The override {word} is refused: {why}; {fix}.", field="recipe")
         if self.stop_by is not None:
             object.__setattr__(self, "stop_by", _absolute_stop_by(self.stop_by))
+        if self.run_dir is not None and is_remote(self.run_dir):
+            object.__setattr__(self, "run_dir", canonical_url(self.run_dir))  # s3:// only
 
     def replace(self, **changes: object) -> RunRequest:
         return dataclasses.replace(self, **changes)
@@ -159,7 +161,7 @@ class RunRequest:
             if name == "run_dir" and value is not None and is_remote(value):
                 # On S3: checkpoints at the URL, the rest in a local folder (launcher.remote).
 
-                words += ["--checkpoint.folder", f"{value.rstrip('/')}/checkpoint"]
+                words += ["--checkpoint.folder", f"{value}/checkpoint"]
                 value = local_folder(value)
             if value is not None:
                 words += [word for flag in flags for word in (flag, str(value))]
