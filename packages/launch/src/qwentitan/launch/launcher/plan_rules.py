@@ -225,10 +225,16 @@ def _degrees_refusal(p: Any, world: int, topology: Topology) -> LaunchError:
     others = tp * cp * pp * rep
     where = _where(world, topology)
     if shard == -1:
+        # Name the settings that were raised (`--dp-replicate 3` alone: that one), not always TP.
+        raised = [(flag, field) for flag, field, value in (
+            ("{tp}", "tp", tp), (_SETTINGS["CP"], None, cp), ("{pp}", "pp", pp),
+            ("{dp_replicate}", "dp_replicate", rep)) if value > 1] or [("{tp}", "tp")]  # fmt: skip
+        flags = " and ".join(flag for flag, _ in raised)
+        fix = f"{flags} dividing" if len(raised) == 1 else f"{flags} whose product divides"
         return LaunchError(
             f"TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = {others} does not divide the "
-            f"world size of {where}; choose {{tp}} dividing {world}.",
-            field="tp",
+            f"world size of {where}; choose {fix} {world}.",
+            field=next((field for _, field in raised if field), "tp"),
         )
     product = shard * others
     if ep > 1 and product * ep == world:
