@@ -176,12 +176,22 @@ def _absolute_stop_by(text: str) -> str:
     """`--stop-by` as an absolute UTC time, refused when it has already passed."""
     from datetime import UTC, datetime
 
+    from qwentitan.launch.runtime.stop_clock import MARGIN_S
+
     now = datetime.now(UTC)
     when = parse_stop_by(text, now)
     if when <= now:
         raise LaunchError(
             f"{{stop_by}} {text} has already passed (it is {format_utc(now)} now); pass a later "
             "time in UTC, or a duration such as {stop_by} +90m.",
+            field="stop_by",
+        )
+    left = (when - now).total_seconds()
+    if left <= MARGIN_S:  # the ranks would stop before their first step, yet after the deadline
+        raise LaunchError(
+            f"{{stop_by}} {text} leaves {left:.0f} s, within the {MARGIN_S:.0f} s a run keeps "
+            "after its last save for the ranks to exit; pass a later time, such as {stop_by} "
+            "+10m.",
             field="stop_by",
         )
     return format_utc(when)
