@@ -104,3 +104,20 @@ def test_pipeline_parallelism_with_fewer_microbatches_than_stages_is_refused(cap
         "or a smaller --pp."
     )
     assert cli.main([*argv, "--local-batch-size", "2"]) == 0
+
+
+def test_more_cpu_ranks_than_the_host_s_memory_holds_are_refused(capsys, monkeypatch):
+    """A CPU rank is a whole Python process with torch loaded (1.28 GiB RSS measured for
+    tiny_dense) besides its model: 64 of them do not fit a 23 GiB host."""
+    from qwentitan.launch.base import host
+
+    monkeypatch.setattr(host, "memory_bytes", lambda: 23 << 30)
+    argv = ["plan", "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node"]
+    line = refusal(capsys, [*argv, "64"])
+    assert re.fullmatch(
+        r"Recipe 'tiny_dense' needs about 1\.\d GiB per rank but a cpu rank has 0\.4 GiB \(90% "
+        r"usable\); pass --ranks-per-node 1\d or fewer\.",
+        line,
+    ), line
+    fewer = int(line.rsplit(" ", 3)[-3])
+    assert cli.main([*argv, str(fewer)]) == 0

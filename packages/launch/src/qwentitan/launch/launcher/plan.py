@@ -162,6 +162,9 @@ def _memory_knob(plan: LaunchPlan) -> tuple[str, str]:
     """(the request field to change, how) for a plan that does not fit."""
     m = plan.memory
     cores = plan.topology.target.max_ranks() if plan.topology.device_type == "cpu" else 0
+    if m.process and m.process * plan.ranks_per_node > m.available:  # the processes fill it
+        fewer = max(1, int(m.available * plan.ranks_per_node * USABLE_FRACTION // m.total))
+        return "ranks_per_node", f"pass {{ranks_per_node}} {fewer} or fewer"
     if plan.ranks_per_node > cores > 0:
         return "ranks_per_node", f"pass {{ranks_per_node}} {cores} or fewer"
     if m.activations + m.logits >= m.sharded_state + m.unsharded_transient:
