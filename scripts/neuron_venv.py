@@ -36,8 +36,10 @@ sentence for what a user can fix, as the CLIs do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +49,9 @@ from pathlib import Path
 from neuron_resolve import ROOT, SDK, InstallError, Resolution, check_shadow, resolve, uv
 
 PROBE_TAG = "qwentitan-neuron-venv-probe/1"
+# The probe reads every distribution's metadata: seconds on the DLAMI's venv. A python that has
+# not answered in this long never will (it hangs, or waits on something).
+PROBE_TIMEOUT_S = 120
 # The modules whose origin the check after the install reads in E.
 STACK_MODULES = ("torch", "torch_neuronx", "neuronxcc", "nki", "torchtitan", "numpy")
 PTH_NAME = "_qwentitan_neuron_venv.pth"
@@ -88,11 +93,14 @@ def probe(python: Path, modules: tuple[str, ...] = ()) -> dict:
     if not python.is_file() or not os.access(python, os.X_OK):
         raise InstallError(f"{python} is not an executable Python; {fix}.")
     try:
-        done = subprocess.run(
-            [str(python), "-I", "-B", "-c", _PROBE, *modules], capture_output=True, timeout=600
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise InstallError(f"{python} does not run ({error}); {fix}.") from None
+        done = _run_bounded([str(python), "-I", "-B", "-c", _PROBE, *modules], PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise InstallError(
+            f"{python} did not answer within {PROBE_TIMEOUT_S} s (it and what it started were "
+            f"ended); {fix}."
+        ) from None
+    except OSError as error:
+        raise InstallError(f"{python} does not run ({error.strerror or error}); {fix}.") from None
     # bytes: what a program that is no Python prints need not be UTF-8
     out, err = (data.decode("utf-8", "replace").strip() for data in (done.stdout, done.stderr))
     lines = out.splitlines()
@@ -107,6 +115,22 @@ def probe(python: Path, modules: tuple[str, ...] = ()) -> dict:
             f"{python} did not answer as a Python venv does (exit {done.returncode}{heard}); {fix}."
         )
     return answer
+
+
+def _run_bounded(argv: list[str], timeout: float) -> subprocess.CompletedProcess[bytes]:
+    """`argv`'s output, in a process group of its own that is killed whole (its children too)
+    when it runs past `timeout` or this process is interrupted."""
+    child = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, child.returncode, out, err)
 
 
 # What the probe's answer holds, each field of the type the checks after it read.

@@ -442,3 +442,36 @@ def test_shadow_refuses_the_neuron_stack_and_what_the_venv_lacks(tmp_path):
             done.returncode == 2 and named in done.stderr and f"drop --shadow {name}" in done.stderr
         )
     assert not (tmp_path / "env").exists()
+
+
+def test_a_bin_python_that_never_answers_is_one_sentence_and_ends_with_its_children(
+    tmp_path, monkeypatch
+):
+    """A hung python (and what it started) is ended after the probe's deadline, said in one
+    short sentence (the probe's whole script once came back in the message)."""
+    import time
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    pids = tmp_path / "pids"
+    (venv / "bin" / "python").write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pids}\nsleep 300\n")
+    (venv / "bin" / "python").chmod(0o755)
+    script = load_script()
+    monkeypatch.setattr(script, "PROBE_TIMEOUT_S", 2)
+    started = time.monotonic()
+    with pytest.raises(script.InstallError) as error:
+        script.probe(venv / "bin" / "python")
+    assert time.monotonic() - started < 30
+    said = str(error.value)
+    assert said.startswith(f"{venv / 'bin' / 'python'} did not answer within 2 s (it and what ")
+    assert "\n" not in said and len(said) < 400, said
+    child = int(pids.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the hung python's child outlived the probe")

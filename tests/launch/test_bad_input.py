@@ -507,6 +507,15 @@ PLAN_FILE_FAULTS = {
     ),
     "--config override": (_changed("overrides", ["--config", "x"]), "'overrides' holds --config"),
     "--job override": (_changed("overrides", ["--job.config-file", "a"]), "'overrides' holds --j"),
+    # torchtitan's Trainer imports the module each `override.imports` target names
+    "--override.imports": (
+        _changed("overrides", ["--override.imports", "marker_module.f"]),
+        "'overrides' holds --override.imports (torchtitan would import the module it names",
+    ),
+    "--override.imports=": (
+        _changed("overrides", ["--training.steps", "3", "--override.imports=marker_module.f"]),
+        "'overrides' holds --override.imports (torchtitan would import",
+    ),
     "string overrides": (
         _changed("overrides", "--training.steps 3"),
         "'overrides' \"--training.steps 3\" is not a",
@@ -572,6 +581,24 @@ def test_an_override_naming_the_module_or_config_is_refused(capsys, in_tmp, word
         f"The override {word} is refused: the recipe alone chooses torchtitan's module and "
         "config; pass --recipe NAME instead."
     )
+
+
+@pytest.mark.parametrize("word", ["--override.imports", "--override.imports=marker_module.f"])
+@pytest.mark.parametrize("command", ["plan", "train", "slurm"])
+def test_an_override_that_imports_code_is_refused(capsys, in_tmp, monkeypatch, command, word):
+    """torchtitan's Trainer imports each `override.imports` target's module: refused, on every
+    command's passthrough, before anything imports it."""
+    import sys
+
+    (in_tmp / "marker_module.py").write_text("open(__file__ + '.imported', 'w').close()\n")
+    monkeypatch.syspath_prepend(str(in_tmp))
+    line = refusal(capsys, [command, "--recipe", "tiny_dense", "--", word, "marker_module.f"])
+    assert line == (
+        f"The override {word} is refused: torchtitan would import the module it names, and a "
+        "run imports no code by name; drop it."
+    )
+    assert "marker_module" not in sys.modules and not list(in_tmp.glob("*.imported"))
+    assert sorted(os.listdir(in_tmp)) == ["marker_module.py"]
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])

@@ -73,3 +73,71 @@ def test_train_supervises_its_ranks_without_torch_in_the_process(tmp_path):
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["code"] == 0 and seen["torch"] is False and seen["torchtitan"] is False
     assert "torchtitan.train" in seen["argv"] and seen["colour"] == "0"  # stdout is a pipe
+
+
+_KILLED = textwrap.dedent(
+    """
+    import os, signal
+    from qwentitan.launch.base.errors import LaunchError
+    from qwentitan.launch.launcher.child import in_child
+
+    def killed():
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+
+    try:
+        in_child(killed)
+    except LaunchError as error:
+        print(error)
+    """
+)
+
+# `in_child` interrupted in the parent (SIGTERM's handler raises, as `train`'s does) while the
+# child is busy: the child goes too.
+_INTERRUPTED = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from qwentitan.launch.launcher.child import in_child
+
+    def busy(path):
+        open(path, "w").write(str(os.getpid()))
+        time.sleep(60)
+
+    def stop(*_):
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    signal.alarm(3)
+    in_child(busy, sys.argv[1])
+    """
+)
+
+
+def test_a_plan_child_killed_by_sigkill_is_one_sentence():
+    done = subprocess.run([sys.executable, "-c", _KILLED], capture_output=True, text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.strip() == (
+        "The process that resolves the plan was killed by SIGKILL (what the out-of-memory killer "
+        "sends) before it answered; free memory on this host, then try again."
+    )
+
+
+def test_a_signal_while_the_plan_child_is_busy_ends_the_child_too(tmp_path):
+    import time
+
+    marker = tmp_path / "child.pid"
+    with (tmp_path / "stderr").open("w") as stderr:  # no pipe the child would hold open
+        done = subprocess.run(
+            [sys.executable, "-c", _INTERRUPTED, str(marker)], stdout=stderr, stderr=stderr
+        )
+    assert done.returncode == 143, (tmp_path / "stderr").read_text()
+    pid = int(marker.read_text())
+    for _ in range(50):  # the kernel reaps it at once; allow a moment
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError(f"the plan's child {pid} outlived its parent")

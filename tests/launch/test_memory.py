@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from qwentitan.launch.launcher.memory import ModelShape, estimate_memory
+from qwentitan.launch.launcher.memory import CPU_PROCESS_BYTES, ModelShape, estimate_memory
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
 
 MARGIN = 0.35
@@ -95,7 +95,8 @@ def test_estimate_matches_measured_peak_of_tiny_recipe(tmp_path):
     line = next((x for x in result.stdout.splitlines() if x.startswith("PEAK ")), None)
     assert line, (result.stdout + result.stderr)[-3000:]
     measured = json.loads(line[5:])["peak"]
-    estimate = plan.memory.total
+    estimate = plan.memory.total - plan.memory.process  # the model's part: what torch allocates
+    assert plan.memory.process == CPU_PROCESS_BYTES  # counted apart, on the CPU host only
     print(
         f"tiny_dense, 1 CPU rank: estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
     )

@@ -3,6 +3,8 @@ sentence with exit code 2, whether a value comes from our flags or from a torcht
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from qwentitan.launch.base.errors import LaunchError
@@ -81,3 +83,41 @@ def test_the_device_reaches_the_ranks_as_config(capsys):
     assert words[words.index("--target") + 1] == "cpu"
     assert plan.config.target == "cpu" and plan.config.training.disable_cuda_graphs
     assert "QWENTITAN_PLATFORM" not in plan.rank_env({})
+
+
+def test_a_global_batch_no_step_could_finish_is_refused(capsys):
+    argv = ["plan", "--recipe", "tiny_dense", "--ranks-per-node", "1"]
+    line = refusal(capsys, [*argv, "--global-batch-size", "1000000000000"])
+    assert re.fullmatch(
+        r"Global batch 1000000000000 would take \d+ microbatches per optimizer step on each of 1 "
+        r"data-parallel rank\(s\) \(local batch \d+\), more than 65536; pass "
+        r"--global-batch-size \d+ or less\.",
+        line,
+    ), line
+
+
+def test_pipeline_parallelism_with_fewer_microbatches_than_stages_is_refused(capsys):
+    argv = ["plan", "--recipe", "tiny_dense_untied", "--ranks-per-node", "2", "--pp", "2"]
+    assert refusal(capsys, [*argv, "--local-batch-size", "1"]) == (
+        "Pipeline parallelism 2 with the 1F1B schedule needs at least 2 microbatches per local "
+        "batch, and --local-batch-size 1 holds 1 of size 1; pass --local-batch-size 2 or more, "
+        "or a smaller --pp."
+    )
+    assert cli.main([*argv, "--local-batch-size", "2"]) == 0
+
+
+def test_more_cpu_ranks_than_the_host_s_memory_holds_are_refused(capsys, monkeypatch):
+    """A CPU rank is a whole Python process with torch loaded (1.28 GiB RSS measured for
+    tiny_dense) besides its model: 64 of them do not fit a 23 GiB host."""
+    from qwentitan.launch.base import host
+
+    monkeypatch.setattr(host, "memory_bytes", lambda: 23 << 30)
+    argv = ["plan", "--recipe", "tiny_dense", "--instance", "cpu", "--ranks-per-node"]
+    line = refusal(capsys, [*argv, "64"])
+    assert re.fullmatch(
+        r"Recipe 'tiny_dense' needs about 1\.\d GiB per rank but a cpu rank has 0\.4 GiB \(90% "
+        r"usable\); pass --ranks-per-node 1\d or fewer\.",
+        line,
+    ), line
+    fewer = int(line.rsplit(" ", 3)[-3])
+    assert cli.main([*argv, str(fewer)]) == 0

@@ -91,6 +91,9 @@ def test_pipeline_degree_is_planned():
         (["--ranks-per-node", "65"], "--ranks-per-node 65 is more than trn2.48xlarge holds (64 "
          "logical cores at LNC 2); pass --ranks-per-node 64 or fewer."),
         (["--tp", "3"], "choose --tp dividing 64."),
+        (["--ranks-per-node", "2", "--dp-replicate", "3"], "choose --dp-replicate dividing 2."),
+        (["--ranks-per-node", "8", "--tp", "2", "--pp", "3"], "choose --tp and --pp whose product "
+         "divides 8."),
         (["--seq-len", "1000"], "pass --seq-len 1024."),
     ],
 )  # fmt: skip

@@ -211,6 +211,7 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     reports stay in the run's local folder. (One rank from scratch against more ranks: the mesh
     pilot in tests/launch/test_every_mesh.py.)"""
     from qwentitan.checkpoint import safe_reader_for
+    from qwentitan.launch.launcher import remote
 
     from .conftest import BUCKET
 
@@ -230,5 +231,6 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     assert listed == ["step-2", "step-3"]
     metadata = safe_reader_for(f"{run_dir}/checkpoint/step-3").read_metadata()
     assert "tok_embeddings.weight" in metadata.state_dict_metadata
-    local = tmp_path / "outputs" / "s3" / BUCKET / "one-rank"
+    local = remote.local_folder(run_dir)  # outputs/s3/BUCKET/one-rank-HASH, in tmp_path
+    assert local.parent == tmp_path / "outputs" / "s3" / BUCKET
     assert (local / "reports" / "summary.json").is_file()

@@ -4,6 +4,7 @@ measured save and step times plus a margin, reported as the reason the run stopp
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -208,3 +209,17 @@ def test_run_exits_as_stopped_after_a_deadline_or_spot_stop(
     monkeypatch.setattr(supervisor, "supervise", ranks)
     plan = SimpleNamespace(run_folder=tmp_path, launch_argv=list, rank_env=dict)
     assert start.launch(plan, stopped_exit=supervisor.STOPPED_EXIT) == expected
+
+
+def test_a_stop_by_inside_the_exit_margin_is_refused_at_plan_time(capsys):
+    """The ranks keep 30 s after their last save to exit: a deadline closer than that would be
+    missed by the first save (a run started, trained step 1 and saved after it)."""
+    from qwentitan.launch.launcher import cli
+
+    assert cli.main(["plan", "--recipe", "tiny_dense", "--stop-by", "+20s"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(
+        r"qwentitan-launch plan: --stop-by \+20s leaves (19|20) s, within the 30 s a run keeps "
+        r"after its last save for the ranks to exit; pass a later time, such as --stop-by \+10m\.",
+        err,
+    ), err

@@ -252,3 +252,28 @@ def test_a_corrupt_tokenizer_is_one_sentence(capsys, launched, tmp_path):
     message = refused(capsys, "--tokenizer", str(folder), "--run-dir", str(tmp_path / "run"))
     assert message.startswith(f"Tokenizer folder {folder} cannot be loaded (")
     assert not launched
+
+
+def test_a_failed_run_s_summary_vouches_for_no_checkpoint(capsys, tmp_path, monkeypatch):
+    """A rank that failed mid-save still leaves its summary; the block then names no checkpoint
+    as written (the failed step's folder holds none)."""
+    from qwentitan.launch.launcher import supervisor
+
+    run_dir = tmp_path.resolve() / "run"
+
+    def failed(argv, env, **_):
+        (run_dir / "reports").mkdir(parents=True, exist_ok=True)
+        report = {"first_step": 1, "last_step": 2, "first_loss": 2.0, "final_loss": 1.5}
+        (run_dir / "reports" / "summary.json").write_text(json.dumps(report))
+        return 2  # the rank's SAVE_FAILED_EXIT
+
+    monkeypatch.setattr(supervisor, "supervise", failed)
+    assert cli.main(["train", "--run-dir", str(run_dir), "--steps", "2"]) == 2
+    rows = dict(
+        line.strip().split("  ", 1)
+        for line in capsys.readouterr().out.split("Summary\n")[1].splitlines()
+    )
+    assert rows["checkpoints"].strip() == (
+        "not confirmed, the run failed (--resume takes the newest whole one in "
+        f"{run_dir / 'checkpoint'})"
+    )

@@ -27,6 +27,7 @@ from qwentitan.launch.launcher.plan_rules import (
     check_global_batch,
     check_layout,
     check_loss_chunks,
+    check_pipeline_microbatches,
     check_ranges,
     check_stop_after,
     max_positions,
@@ -132,6 +133,7 @@ def check_plan(plan: LaunchPlan, *, batch_source: str = "{global_batch_size}") -
     seq_len = config.training.seq_len
     topology.target.check_seq_len(seq_len, topology.lnc, max_positions(config.model_spec.model))
     check_loss_chunks(config, seq_len, dims.cp)
+    check_pipeline_microbatches(config, dims.pp)
     check_stop_after(config, plan.resume)
     check_compile(config, topology)
     if dims.ep > 1 and not plan.model_shape.experts:
@@ -160,6 +162,9 @@ def _memory_knob(plan: LaunchPlan) -> tuple[str, str]:
     """(the request field to change, how) for a plan that does not fit."""
     m = plan.memory
     cores = plan.topology.target.max_ranks() if plan.topology.device_type == "cpu" else 0
+    if m.process and m.process * plan.ranks_per_node > m.available:  # the processes fill it
+        fewer = max(1, int(m.available * plan.ranks_per_node * USABLE_FRACTION // m.total))
+        return "ranks_per_node", f"pass {{ranks_per_node}} {fewer} or fewer"
     if plan.ranks_per_node > cores > 0:
         return "ranks_per_node", f"pass {{ranks_per_node}} {cores} or fewer"
     if m.activations + m.logits >= m.sharded_state + m.unsharded_transient:

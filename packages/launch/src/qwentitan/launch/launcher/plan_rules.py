@@ -23,6 +23,7 @@ __all__ = [
     "check_global_batch",
     "check_layout",
     "check_loss_chunks",
+    "check_pipeline_microbatches",
     "check_ranges",
     "check_stop_after",
     "max_positions",
@@ -75,6 +76,38 @@ def check_ranges(config: Any) -> None:
             f"--training.global-batch-size {batch} is out of range; pass a whole number of 1 or "
             "more with {global_batch_size} (or -1: one local batch per data-parallel rank).",
             field="global_batch_size",
+        )
+
+
+# torch's single-stage schedules that need a microbatch per stage (`Schedule1F1B.__init__`).
+_MICROBATCH_PER_STAGE = ("1f1b",)
+# More microbatches per optimizer step than this is a typo, not a plan (each is a forward and a
+# backward on every rank: `--global-batch-size 1000000000000` would never finish its first step).
+MAX_ACCUMULATION = 65536
+
+
+def check_pipeline_microbatches(config: Any, pp: int) -> None:
+    """torchtitan splits each local batch into microbatches of `pipeline_parallel_microbatch_size`
+    for the pipeline schedule, which every rank then refuses with a traceback when they do not
+    divide it or (1F1B) are fewer than the stages."""
+    if pp < 2:
+        return
+    local = config.training.local_batch_size
+    size = config.parallelism.pipeline_parallel_microbatch_size
+    schedule = config.parallelism.pipeline_parallel_schedule
+    if size < 1 or local % size:
+        raise LaunchError(
+            f"{{local_batch_size}} {local} does not split into pipeline microbatches of "
+            f"{size} (--parallelism.pipeline-parallel-microbatch-size); pass {{local_batch_size}} "
+            f"{max(size, 1) * pp} or another multiple of {max(size, 1)}.",
+            field="local_batch_size",
+        )
+    if schedule.lower() in _MICROBATCH_PER_STAGE and local // size < pp:
+        raise LaunchError(
+            f"Pipeline parallelism {pp} with the {schedule} schedule needs at least {pp} "
+            f"microbatches per local batch, and {{local_batch_size}} {local} holds {local // size} "
+            f"of size {size}; pass {{local_batch_size}} {size * pp} or more, or a smaller {{pp}}.",
+            field="local_batch_size",
         )
 
 
@@ -175,6 +208,14 @@ def check_global_batch(
     """Samples per optimizer step must be whole local batches on every data-parallel rank;
     `source` says where `batch` came from."""
     micro = local * batch_ranks
+    if batch > micro * MAX_ACCUMULATION:
+        raise LaunchError(
+            f"Global batch {batch} would take {batch // micro} microbatches per optimizer step "
+            f"on each of {batch_ranks} data-parallel rank(s) (local batch {local}), more "
+            f"than {MAX_ACCUMULATION}; pass {{global_batch_size}} {micro * MAX_ACCUMULATION} or "
+            "less.",
+            field="global_batch_size",
+        )
     if batch > 0 and batch % micro:
         fits = max(micro, round(batch / micro) * micro)
         raise LaunchError(
@@ -225,10 +266,16 @@ def _degrees_refusal(p: Any, world: int, topology: Topology) -> LaunchError:
     others = tp * cp * pp * rep
     where = _where(world, topology)
     if shard == -1:
+        # Name the settings that were raised (`--dp-replicate 3` alone: that one), not always TP.
+        raised = [(flag, field) for flag, field, value in (
+            ("{tp}", "tp", tp), (_SETTINGS["CP"], None, cp), ("{pp}", "pp", pp),
+            ("{dp_replicate}", "dp_replicate", rep)) if value > 1] or [("{tp}", "tp")]  # fmt: skip
+        flags = " and ".join(flag for flag, _ in raised)
+        fix = f"{flags} dividing" if len(raised) == 1 else f"{flags} whose product divides"
         return LaunchError(
             f"TP {tp} x CP {cp} x PP {pp} x DP-replicate {rep} = {others} does not divide the "
-            f"world size of {where}; choose {{tp}} dividing {world}.",
-            field="tp",
+            f"world size of {where}; choose {fix} {world}.",
+            field=next((field for _, field in raised if field), "tp"),
         )
     product = shard * others
     if ep > 1 and product * ep == world:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qwentitan.launch.base.deadline import format_utc, parse_stop_by
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.remote import is_remote, local_folder
+from qwentitan.launch.launcher.remote import canonical_url, is_remote, local_folder
 
 __all__ = ["AC_MODES", "RESUME_MODES", "TRAINER_FIELDS", "RunRequest", "override_refusal"]
 
@@ -53,6 +53,10 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
 # Overrides that would choose what torchtitan's parser imports and which config it builds
 # (`--module` imports any installed module) or load a config file: the recipe names those.
 _RESERVED = ("--module", "--config", "--job.", "--job-")
+# torchtitan 0.3.0's `Trainer.__init__` imports every module `override.imports` names (its only
+# other import by name, besides `--module`); a run imports no code a plan or an override names.
+_IMPORTING = ("--override.", "--override-")
+_IMPORTS_WHY = "torchtitan would import the module it names, and a run imports no code by name"
 
 
 def override_refusal(word: str) -> str | None:
@@ -60,6 +64,8 @@ def override_refusal(word: str) -> str | None:
     name = word.split("=", 1)[0]
     if name in _RESERVED[:2] or name.startswith(_RESERVED[2:]):
         return "the recipe alone chooses torchtitan's module and config"
+    if name.startswith(_IMPORTING):
+        return _IMPORTS_WHY
     return None
 
 
@@ -135,12 +141,12 @@ class RunRequest:
         for word in self.overrides:
             why = override_refusal(word)
             if why:
-                raise LaunchError(
-                    f"The override {word} is refused: {why}; pass {{recipe}} NAME instead.",
-                    field="recipe",
-                )
+                fix = "drop it" if why == _IMPORTS_WHY else "pass {recipe} NAME instead"
+                raise LaunchError(f"The override {word} is refused: {why}; {fix}.", field="recipe")
         if self.stop_by is not None:
             object.__setattr__(self, "stop_by", _absolute_stop_by(self.stop_by))
+        if self.run_dir is not None and is_remote(self.run_dir):
+            object.__setattr__(self, "run_dir", canonical_url(self.run_dir))  # s3:// only
 
     def replace(self, **changes: object) -> RunRequest:
         return dataclasses.replace(self, **changes)
@@ -155,7 +161,7 @@ class RunRequest:
             if name == "run_dir" and value is not None and is_remote(value):
                 # On S3: checkpoints at the URL, the rest in a local folder (launcher.remote).
 
-                words += ["--checkpoint.folder", f"{value.rstrip('/')}/checkpoint"]
+                words += ["--checkpoint.folder", f"{value}/checkpoint"]
                 value = local_folder(value)
             if value is not None:
                 words += [word for flag in flags for word in (flag, str(value))]
@@ -170,12 +176,22 @@ def _absolute_stop_by(text: str) -> str:
     """`--stop-by` as an absolute UTC time, refused when it has already passed."""
     from datetime import UTC, datetime
 
+    from qwentitan.launch.runtime.stop_clock import MARGIN_S
+
     now = datetime.now(UTC)
     when = parse_stop_by(text, now)
     if when <= now:
         raise LaunchError(
             f"{{stop_by}} {text} has already passed (it is {format_utc(now)} now); pass a later "
             "time in UTC, or a duration such as {stop_by} +90m.",
+            field="stop_by",
+        )
+    left = (when - now).total_seconds()
+    if left <= MARGIN_S:  # the ranks would stop before their first step, yet after the deadline
+        raise LaunchError(
+            f"{{stop_by}} {text} leaves {left:.0f} s, within the {MARGIN_S:.0f} s a run keeps "
+            "after its last save for the ranks to exit; pass a later time, such as {stop_by} "
+            "+10m.",
             field="stop_by",
         )
     return format_utc(when)

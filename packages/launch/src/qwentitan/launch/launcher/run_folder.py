@@ -25,7 +25,7 @@ from pathlib import Path
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.plan import LaunchPlan
-from qwentitan.launch.launcher.remote import is_remote, require_backend
+from qwentitan.launch.launcher.remote import check_bucket, is_remote, lock_file
 
 __all__ = [
     "LATEST",
@@ -45,9 +45,11 @@ LATEST = "latest"
 LOCK_FILE = "run.lock"
 
 
-def _take_lock(folder: Path) -> int:
-    """An open descriptor holding `folder/run.lock` exclusively; LaunchError naming the holder."""
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+def _take_lock(folder: Path | str, lock: Path | None = None) -> int:
+    """An open descriptor holding `lock` (default `folder/run.lock`) exclusively; LaunchError
+    naming `folder` and the holder."""
+    lock = lock or Path(folder, LOCK_FILE)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -64,9 +66,10 @@ def _take_lock(folder: Path) -> int:
     return fd
 
 
-def check_run_folder(folder: Path) -> None:
+def check_run_folder(folder: Path, checkpoints: str | None = None) -> None:
     """Refuse, before any other check, a run folder that is not a writable folder (or cannot be
-    created as one) or that another run is training in right now."""
+    created as one) or that another run is training in right now; `checkpoints`: their URL when
+    they are remote, which one run of this host at a time may write (`remote.lock_file`)."""
     probe = folder
     while not (probe.exists() or probe.is_symlink()):
         probe = probe.parent
@@ -84,27 +87,37 @@ def check_run_folder(folder: Path) -> None:
     if (folder / LOCK_FILE).is_file():
         with contextlib.suppress(OSError):
             os.close(_take_lock(folder))
+    if checkpoints is not None:
+        with contextlib.suppress(OSError):
+            os.close(_take_lock(checkpoints, lock_file(checkpoints)))
 
 
 @contextlib.contextmanager
-def hold_run_folder(folder: Path) -> Iterator[None]:
-    """Hold `folder`'s lock (creating the folder) while the block runs; the lock file names
-    this process and its start, for the sentence a second run gets."""
+def hold_run_folder(folder: Path, checkpoints: str | None = None) -> Iterator[None]:
+    """Hold `folder`'s lock (creating the folder), and for remote `checkpoints` their host-wide
+    lock, while the block runs; each lock file names this process and its start, for the
+    sentence a second run gets."""
+    fds: list[int] = []
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = _take_lock(folder)
-    except OSError as error:
-        raise LaunchError(
-            f"Run folder {folder} cannot be written ({error.strerror}); pass another {{run_dir}}.",
-            field="run_dir",
-        ) from None
-    try:
+        try:
+            if checkpoints is not None:
+                fds.append(_take_lock(checkpoints, lock_file(checkpoints)))
+            folder.mkdir(parents=True, exist_ok=True)
+            fds.append(_take_lock(folder))
+        except OSError as error:
+            raise LaunchError(
+                f"Run folder {folder} cannot be written ({error.strerror}); pass another "
+                "{run_dir}.",
+                field="run_dir",
+            ) from None
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, started {started}\n".encode(), 0)
+        for fd in fds:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}, started {started}\n".encode(), 0)
         yield
     finally:
-        os.close(fd)  # releases the lock; the file stays, naming the last run
+        for fd in fds:
+            os.close(fd)  # releases the lock; the file stays, naming the last run
 
 
 def new_run_folder(base: Path) -> Path:
@@ -178,7 +191,7 @@ def check_checkpoints(plan: LaunchPlan, *, folder_given: bool = True) -> int | N
     if not plan.config.checkpoint.enable:
         return None
     if is_remote(folder):
-        require_backend(str(folder))
+        check_bucket(str(folder))
     steps = saved_steps(folder)
     if plan.resume == "fresh" and steps:
         raise LaunchError(

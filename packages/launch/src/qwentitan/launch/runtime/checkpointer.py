@@ -30,6 +30,8 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from qwentitan.launch.base import s3
+
 __all__ = ["SAVE_FAILED_EXIT", "GuardedCheckpointManager", "guarded"]
 
 # Exit code of a rank whose checkpoint could not be written: a fault of the environment.
@@ -46,6 +48,7 @@ class GuardedCheckpointManager(CheckpointManager):
         pass  # torchtitan's fields; its own class, so that `build()` makes this manager
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        s3.apply_deadlines()  # a checkpoint folder on S3: no request waits unbounded
         self.save_seconds: list[float] = []
         """Seconds of each save that wrote a checkpoint, oldest first (the reader empties it)."""
         super().__init__(config, **kwargs)
@@ -59,8 +62,9 @@ class GuardedCheckpointManager(CheckpointManager):
             # DCP raises on every rank after all of them stopped writing; one removes the folder.
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                 message = _save_failure(step_folder, error)
-                with contextlib.suppress(OSError):
-                    filesystem.rmtree(step_folder)
+                if not any(map(s3.is_network_error, _causes(error))):  # else it would not now
+                    with contextlib.suppress(Exception):  # a removal that fails leaves no .metadata
+                        filesystem.rmtree(step_folder)
                 logger.error(message)
             raise SystemExit(SAVE_FAILED_EXIT) from None
         if wrote:
@@ -102,11 +106,16 @@ def guarded(config: CheckpointManager.Config) -> GuardedCheckpointManager.Config
 def _save_failure(step_folder: Path | str, error: BaseException) -> str:
     """One sentence for a failed save of `step_folder` (call before removing the folder; a URL
     on S3 has no disk to be full)."""
-    causes = [error]
-    if isinstance(error, CheckpointException):
-        causes = [failure for failure, _trace in error.failures.values()] or causes
+    causes = _causes(error)
     cause = next((c for c in causes if isinstance(c, OSError)), causes[0])
     remote = filesystem.is_remote(step_folder)
+    network = next((c for c in causes if s3.is_network_error(c)), None)
+    if remote and network is not None:
+        return (
+            f"Saving the checkpoint {step_folder} failed: {s3.no_answer(network)}; its partial "
+            "folder has no .metadata, so --resume continues from the previous checkpoint once "
+            "the endpoint answers again."
+        )
     free = None if remote else shutil.disk_usage(_existing(Path(step_folder))).free
     parent = str(step_folder).rsplit("/", 1)[0] if remote else Path(step_folder).parent
     if isinstance(cause, OSError) and cause.strerror:
@@ -121,6 +130,13 @@ def _save_failure(step_folder: Path | str, error: BaseException) -> str:
         f"so --resume continues from the previous checkpoint: free space in {parent} "
         "or choose another run folder, then resume."
     )
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """What failed: each rank's error of a DCP `CheckpointException`, else `error` itself."""
+    if isinstance(error, CheckpointException):
+        return [failure for failure, _trace in error.failures.values()] or [error]
+    return [error]
 
 
 def _existing(path: Path) -> Path:

@@ -58,6 +58,13 @@ def run(args: argparse.Namespace) -> int:
             "such as 2026-12-03T18:00:00Z (or use --time for a limit from the job's start).",
             field="stop_by",
         )
+    if args.run_dir is not None and "://" in args.run_dir:
+        # The script's requeue finds the saved steps on a disk every node shares.
+        raise LaunchError(
+            "slurm takes a local {run_dir} on a file system every node shares (its requeue "
+            "looks for the saved steps there); pass one, or train into S3 with `train` or `run`.",
+            field="run_dir",
+        )
     # the ranks' output goes to a log file, not a terminal
     plan = plan_from_args(args, overrides=(*(args.overrides or ()), *LOG_FILE_OVERRIDES))
     options = SlurmOptions(

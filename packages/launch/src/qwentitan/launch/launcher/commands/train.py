@@ -109,9 +109,15 @@ def train_plan(
         flush=True,
     )
     started = time.time()
-    with hold_run_folder(plan.run_folder):
+    remote = plan.checkpoints if plan.checkpoints and "://" in plan.checkpoints else None
+    with hold_run_folder(plan.run_folder, remote):
         code = (supervise or supervisor.supervise)(plan.launch_argv(), plan.rank_env())
-    block = _summary_block(plan.summary_file, plan.checkpoints, started, ended)
+    checkpoints = plan.checkpoints
+    if code != 0 and checkpoints:  # a failed save's step is not there: vouch for none of them
+        checkpoints = (
+            f"not confirmed, the run failed (--resume takes the newest whole one in {checkpoints})"
+        )
+    block = _summary_block(plan.summary_file, checkpoints, started, ended)
     if block is not None:
         print(block, flush=True)
     else:
@@ -124,7 +130,12 @@ def _request(args: argparse.Namespace) -> tuple[RunRequest, bool]:
     """The request of this `train` (this host, one node, its run folder), and whether the run
     folder is a new one of its own."""
     from qwentitan.launch.launcher.plan_cli import request_from_args
-    from qwentitan.launch.launcher.remote import is_remote, local_folder, require_backend
+    from qwentitan.launch.launcher.remote import (
+        canonical_url,
+        is_remote,
+        local_folder,
+        require_backend,
+    )
     from qwentitan.launch.launcher.run_folder import check_run_folder, resolved
     from qwentitan.launch.recipes import get_recipe
     from qwentitan.launch.runtime.platforms import host_target
@@ -138,9 +149,10 @@ def _request(args: argparse.Namespace) -> tuple[RunRequest, bool]:
         )
     instance = args.instance or host_target()
     if args.run_dir is not None and is_remote(args.run_dir):
-        require_backend(args.run_dir)
-        check_run_folder(local_folder(args.run_dir))  # logs, reports and the lock stay here
-        return request_from_args(args, instance=instance, run_dir=args.run_dir.rstrip("/")), False
+        url = canonical_url(args.run_dir)  # s3:// only
+        require_backend(url)
+        check_run_folder(local_folder(url), f"{url}/checkpoint")  # logs and reports stay local
+        return request_from_args(args, instance=instance, run_dir=url), False
     folder, new = _run_folder(args.recipe, args.run_dir, args.resume)
     folder = resolved(folder)
     check_run_folder(folder)
