@@ -281,3 +281,17 @@ def test_each_package_readme_is_short(package):
 
 def test_the_readme_is_a_guide_not_a_notebook():
     assert len((ROOT / "README.md").read_text()) <= 15000
+
+
+def test_every_qwentitan_variable_is_in_the_configuration_page():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    read = set()
+    for source in [
+        *(ROOT / "packages").rglob("*.py"),
+        ROOT / "noxfile.py",
+        *(ROOT / "scripts").iterdir(),
+    ]:
+        if source.is_file():
+            read |= set(re.findall(r"QWENTITAN_[A-Z0-9_]+", source.read_text(errors="replace")))
+    assert read, "no QWENTITAN_ variable found"
+    assert {name for name in read if f"`{name}`" not in page} == set()
