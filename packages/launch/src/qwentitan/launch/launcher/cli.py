@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher import commands
-from qwentitan.launch.launcher.flags import OneLineErrorParser
-from qwentitan.launch.launcher.plan_cli import phrasing
+from qwentitan.launch.launcher.plan_cli import HintingParser, phrasing
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -46,12 +45,12 @@ def error_sentence(args: argparse.Namespace, error: BaseException) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
+    parser = HintingParser(
         prog="qwentitan-launch",
         description="Plan, check and run Qwen3 training with torchtitan (Trainium2, CUDA or CPU).",
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser
+        dest="command", required=True, metavar="COMMAND", parser_class=HintingParser
     )
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{commands.__name__}.{info.name}")

@@ -9,7 +9,6 @@ exit code 2, the same shape as a `LaunchError`.
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -54,32 +53,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        hint = torchtitan_hint(message)
+        hint = self.hint(message)
         if hint:
             message += f"; {hint}."
         elif not message.endswith("."):
             message += f"; see {self.prog} --help."
         self.exit(2, f"{self.prog}: {message}\n")
 
-
-def torchtitan_hint(message: str) -> str:
-    """For argparse's `unrecognized arguments: --training.steps 5`, a torchtitan option typed
-    where a qwentitan flag goes: the flag of ours that sets it, or the `--` passthrough."""
-    found = re.fullmatch(r"unrecognized arguments: (.*)", message)
-    words = found.group(1).split() if found else []
-    dotted = [w.split("=", 1)[0] for w in words if w.startswith("--") and "." in w.split("=")[0]]
-    if not dotted:
+    def hint(self, message: str) -> str:
+        """What to add to a usage error instead of `see --help` ("": nothing)."""
         return ""
-    from qwentitan.launch.launcher.plan_cli import FLAGS
-    from qwentitan.launch.launcher.request import TRAINER_FIELDS
-
-    ours = {
-        option.replace("_", "-"): FLAGS[field].names[0]
-        for field, options in TRAINER_FIELDS.items()
-        if field in FLAGS
-        for option in options
-    }
-    flags = [ours[name.replace("_", "-")] for name in dotted if name.replace("_", "-") in ours]
-    example = " ".join(f"{name} VALUE" for name in dotted)
-    passthrough = f"torchtitan's options go after `--`, as `-- {example}`"
-    return f"use {', '.join(flags)} (or {passthrough})" if flags else passthrough

@@ -10,26 +10,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.base.target import TARGETS
-from qwentitan.launch.launcher.flags import non_negative, positive
+from qwentitan.launch.launcher.flags import OneLineErrorParser, non_negative, positive
 from qwentitan.launch.launcher.plan import (
     DEFAULT_COMPILE_CACHE,
     LaunchPlan,
     resolve_plan,
 )
 from qwentitan.launch.launcher.remote import is_remote
-from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, RunRequest
+from qwentitan.launch.launcher.request import AC_MODES, RESUME_MODES, TRAINER_FIELDS, RunRequest
 from qwentitan.launch.recipes import recipe_names
 
 __all__ = [
     "FLAGS",
     "LAYOUT",
     "SHARED",
+    "HintingParser",
     "add_request_flags",
     "describe",
     "flag_of",
@@ -297,3 +299,30 @@ def describe(plan: LaunchPlan) -> str:
     ]
     lines.append(f"command       {plan.command()}")
     return "\n".join(lines)
+
+
+def torchtitan_hint(message: str) -> str:
+    """For argparse's `unrecognized arguments: --training.steps 5`, a torchtitan option typed
+    where a qwentitan flag goes: the flag of ours that sets it, or the `--` passthrough."""
+    found = re.fullmatch(r"unrecognized arguments: (.*)", message)
+    words = found.group(1).split() if found else []
+    dotted = [w.split("=", 1)[0] for w in words if w.startswith("--") and "." in w.split("=")[0]]
+    if not dotted:
+        return ""
+    ours = {
+        option.replace("_", "-"): FLAGS[field].names[0]
+        for field, options in TRAINER_FIELDS.items()
+        if field in FLAGS
+        for option in options
+    }
+    flags = [ours[name.replace("_", "-")] for name in dotted if name.replace("_", "-") in ours]
+    example = " ".join(f"{name} VALUE" for name in dotted)
+    passthrough = f"torchtitan's options go after `--`, as `-- {example}`"
+    return f"use {', '.join(flags)} (or {passthrough})" if flags else passthrough
+
+
+class HintingParser(OneLineErrorParser):
+    """The CLI's parser: a torchtitan option typed where a flag goes gets `torchtitan_hint`."""
+
+    def hint(self, message: str) -> str:
+        return torchtitan_hint(message)
