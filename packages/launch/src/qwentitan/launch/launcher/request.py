@@ -44,6 +44,8 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
     "ep": ("--parallelism.expert-parallel-degree",),
     "run_dir": ("--dump-folder",),
     "checkpoint_interval": ("--checkpoint.interval",),
+    "hf_every": ("--checkpoint.hf-every",),
+    "hf_keep": ("--checkpoint.hf-keep",),
     "dataset": ("--dataloader.dataset", "--validator.dataloader.dataset"),
     "tokenizer": ("--hf-assets-path",),
     "validate_every": ("--validator.freq",),
@@ -98,6 +100,10 @@ class RunRequest:
     resume: str = "auto"
     """One of RESUME_MODES."""
     checkpoint_interval: int | None = None
+    hf_every: int | None = None
+    """Export each checkpoint at a multiple of this step, and the last, to RUN/hf/step-N."""
+    hf_keep: int | None = None
+    """Keep the newest this many exports (None: the recipe's, by default all)."""
     compile_cache: str | None = None
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
