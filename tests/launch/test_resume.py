@@ -306,6 +306,14 @@ def test_a_killed_export_leaves_nothing_half_and_the_next_lands(uninterrupted, t
     resumed.submit_missing()
     resumed.close(timeout_s=300)
     assert sorted(p.name for p in hf.iterdir()) == ["step-2", "step-4"]
+    shutil.rmtree(hf / "step-2")
+    stopping = HFExports(str(run_dir / "checkpoint"), str(run_dir), every=2)
+    stopping.submit(2)
+    stopping.close(timeout_s=0)  # a signal's stop: the export in flight is abandoned, whole
+    assert stopping.last["ok"] is False and "abandoned" in stopping.last["error"]
+    assert sorted(p.name for p in hf.iterdir()) == ["step-4"]
+    resumed.submit(2)
+    resumed.close(timeout_s=300)
     kept = HFExports(str(run_dir / "checkpoint"), str(run_dir), every=2, keep=1)
     kept._prune()
     assert sorted(p.name for p in hf.iterdir()) == ["step-4"]

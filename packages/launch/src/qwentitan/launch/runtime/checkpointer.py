@@ -62,6 +62,7 @@ class GuardedCheckpointManager(CheckpointManager):
         self.export_files: dict[str, bytes] | None = None
         """What each step folder carries for export (rank 0, set by `describe_export`)."""
         self.exports: HFExports | None = None
+        self._abandon_exports = False
         self._export_config = config
         self._run_dir = str(kwargs.get("base_folder", ""))
         super().__init__(config, **kwargs)
@@ -79,6 +80,11 @@ class GuardedCheckpointManager(CheckpointManager):
             logger.warning(
                 "--hf-every exports local run folders only, so this s3:// run is not exported; "
                 "export a step afterwards with `qwentitan-ckpt to-hf`."
+            )
+        elif every > 0 and self.async_mode != "disabled":
+            logger.warning(
+                "--hf-every exports synchronous checkpoints only, so this run (checkpoint."
+                "async_mode) is not exported; export a step afterwards with `qwentitan-ckpt to-hf`."
             )
         elif every > 0:
             self.exports = HFExports(
@@ -113,11 +119,16 @@ class GuardedCheckpointManager(CheckpointManager):
                 self.exports.submit(curr_step)
         return wrote
 
+    def abandon_exports_at_close(self) -> None:
+        """A stop that cannot wait (signal, spot notice, deadline): the export in flight is
+        killed at close, with its partial folder."""
+        self._abandon_exports = True
+
     def _close(self) -> None:
         super()._close()
         exports, self.exports = self.exports, None
         if exports is not None:
-            exports.close(self._export_config.hf_wait)
+            exports.close(0.0 if self._abandon_exports else self._export_config.hf_wait)
 
     def save_full(self, step: int) -> bool:
         """Save now, whatever the interval, the full state (model, optimizer, lr schedule, data

@@ -311,6 +311,8 @@ class Trainer(torchtitan_trainer.Trainer):
             report["budget"] = self.clock.decision or self.clock.figures()
         if self.spot is not None and self.spot.notice is not None:
             report["spot_notice"] = self.spot.notice
+        if agreed is not None:  # a signal, spot notice or deadline: no time to wait for exports
+            self.checkpointer.abandon_exports_at_close()  # `--resume` exports what is left
         record = getattr(self.metrics_processor, "record_stop", None)
         if record is not None:
             record(report)
