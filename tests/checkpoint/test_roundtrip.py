@@ -33,6 +33,9 @@ def test_hf_to_dcp_to_hf_is_bitwise_identical(
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     back_index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert back_index["weight_map"] == index
+    # the parameter count beside the bytes: every tensor written, the tied head once
+    numel = sum(tensor.numel() for tensor in after.values())
+    assert back_index["metadata"]["total_parameters"] == numel
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
         (src / "config.json").read_text()
     )

@@ -66,6 +66,7 @@ NUMERIC = [
     (["plan", "--recipe", "tiny_dense", "--nodes", "0"], "--nodes/--nnodes: 0 is out of range"),
     (["plan", "--recipe", "tiny_dense", "--tp", "-1"], "--tp: -1 is out of range"),
     (["plan", "--recipe", "tiny_dense", "--checkpoint-interval", "0"], "--checkpoint-interval"),
+    (["plan", "--recipe", "tiny_dense", "--hf-every", "0"], "--hf-every: 0 is out of range"),
     (["plan", "--recipe", "tiny_dense", "--seq-len", "1e3"], "'1e3' is not a whole number"),
     (["train", "--steps", "0"], "--steps: 0 is out of range"),
     (["train", "--validate-every", "0"], "--validate-every: 0 is out of range"),
@@ -87,6 +88,15 @@ def test_numeric_flags_out_of_range(capsys, in_tmp, argv, expected):
     assert message.startswith("argument ") and expected in message
     assert message.endswith(("pass a whole number of 1 or more.", "or more.", "65535."))
     assert os.listdir(in_tmp) == []  # no plan, script, run folder or checkpoint
+
+
+def test_hf_exports_of_an_s3_run_are_refused_in_one_sentence(capsys, in_tmp):
+    argv = ["plan", "--recipe", "tiny_dense", "--hf-every", "2", "--run-dir", "s3://b/r"]
+    assert refusal(capsys, argv) == (
+        "--hf-every exports runs in a local folder only, not yet on S3; drop --hf-every and "
+        "export a step later with `qwentitan-ckpt to-hf` after copying it down."
+    )
+    assert os.listdir(in_tmp) == []
 
 
 def test_the_range_names_a_value_that_works(capsys, in_tmp):

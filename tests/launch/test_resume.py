@@ -76,12 +76,13 @@ def final_state(run_dir, step, tmp_path):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, train):
-    """Two ranks, 4 steps, a checkpoint every 2 and MLflow on, into a store the run creates."""
+    """Two ranks, 4 steps, a checkpoint every 2, each exported to Hugging Face (`--hf-every 2`),
+    and MLflow on, into a store the run creates."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("QWENTITAN_MLFLOW", "on")
         patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{run_dir / 'mlflow.db'}")
-        return run_dir, train(run_dir / "run", "--checkpoint-interval", "2")
+        return run_dir, train(run_dir / "run", "--checkpoint-interval", "2", "--hf-every", "2")
 
 
 def test_two_ranks_train_with_validation_and_checkpoint(uninterrupted):
@@ -196,7 +197,8 @@ def test_the_free_disk_estimate_is_within_5_percent_of_a_real_save(uninterrupted
 
     run_dir = uninterrupted[0] / "run"
     step = run_dir / "checkpoint" / "step-4"  # the last save: model, optimizer, data state
-    saved = sum(f.stat().st_size for f in step.iterdir() if f.is_file())
+    export = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    saved = sum(f.stat().st_size for f in step.iterdir() if f.is_file() and f.name not in export)
     plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2, seq_len=32, local_batch_size=1, steps=4, run_dir=str(run_dir)))  # fmt: skip
     assert abs(checkpoint_bytes(plan) / saved - 1) < 0.05, (checkpoint_bytes(plan), saved)
 
@@ -236,3 +238,90 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     local = remote.local_folder(run_dir)  # outputs/s3/BUCKET/one-rank-HASH, in tmp_path
     assert local.parent == tmp_path / "outputs" / "s3" / BUCKET
     assert (local / "reports" / "summary.json").is_file()
+
+
+def test_each_checkpoint_exports_itself_to_a_verified_hugging_face_folder(uninterrupted):
+    """`--hf-every 2`: hf/step-2 and hf/step-4 beside the checkpoints, written by a process of
+    rank 0's while training went on; each loads with transformers (model and tokenizer) and its
+    logits on a fixed prompt equal torchtitan's Qwen3 loaded from the checkpoint. The checkpoint
+    itself carries config and tokenizer, so it exports with no --config."""
+    from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qwentitan.checkpoint import verify
+
+    from .test_train_summary import summary_rows
+
+    root, run = uninterrupted
+    run_dir = root / "run"
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step-2", "step-4"]
+    for step in (2, 4):
+        ckpt, hf = run_dir / "checkpoint" / f"step-{step}", run_dir / "hf" / f"step-{step}"
+        for name in ("config.json", "generation_config.json", "tokenizer.json"):
+            assert (ckpt / name).is_file() and (hf / name).is_file(), name
+        assert f"Exported step {step} to {hf.resolve()} (verified)." in run.plain
+        model = AutoModelForCausalLM.from_pretrained(hf)
+        tokenizer = AutoTokenizer.from_pretrained(hf)
+        ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+        assert model(ids).logits.shape == (1, ids.shape[1], 151936)
+        assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 151643
+        report = verify(hf, ckpt, logits=True)
+        assert report.ok and report.compared > 0, report.format()
+        assert report.logits_max_abs_diff <= report.logits_tolerance, report.format()
+    rows = summary_rows(run.launcher[run.launcher.rindex("Summary\n") :])
+    assert rows["HF export"] == f"{(run_dir / 'hf' / 'step-4').resolve()} (verified)"
+    run_id = rows["MLflow run"].split()[0]
+    tags = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_run(run_id).data.tags
+    assert tags["hf_export.last"].startswith("step 4 ok: ")
+
+
+def test_a_killed_export_leaves_nothing_half_and_the_next_lands(uninterrupted, tmp_path):
+    """SIGKILL of the export process mid-write: no hf/step-2 folder, its partial gone when the
+    next export starts, which lands; `--resume` (a new exporter on the folder) exports what was
+    left; `--hf-keep 1` keeps the newest export and every checkpoint."""
+    import os
+    import signal
+    import time
+
+    from qwentitan.launch.runtime.hf_export import HFExports
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted[0] / "run" / "checkpoint", run_dir / "checkpoint")
+    results = []
+    exports = HFExports(
+        str(run_dir / "checkpoint"), str(run_dir), every=2, on_result=results.append
+    )
+    exports.submit(2)
+    hf = run_dir / "hf"
+    deadline = time.monotonic() + 120
+    while not any(hf.rglob("model.safetensors")):  # to_hf laid out the shard: mid-write
+        assert exports.proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(exports.proc.pid, signal.SIGKILL)
+    exports.proc.wait()
+    exports.poll()
+    assert results[-1]["ok"] is False and results[-1]["step"] == 2
+    assert not (hf / "step-2").exists() and not any(hf.glob("step-*"))
+    exports.submit(4)
+    exports.close(timeout_s=300)
+    assert results[-1] == {**results[-1], "step": 4, "ok": True}
+    assert sorted(p.name for p in hf.iterdir()) == ["step-4"]  # the killed one's partial: gone
+    resumed = HFExports(str(run_dir / "checkpoint"), str(run_dir), every=2, keep=1)
+    resumed.submit_missing()
+    assert not resumed.queue and resumed.proc is None  # step-2 is not among the newest 1
+    resumed = HFExports(str(run_dir / "checkpoint"), str(run_dir), every=2)
+    resumed.submit_missing()
+    resumed.close(timeout_s=300)
+    assert sorted(p.name for p in hf.iterdir()) == ["step-2", "step-4"]
+    shutil.rmtree(hf / "step-2")
+    stopping = HFExports(str(run_dir / "checkpoint"), str(run_dir), every=2)
+    stopping.submit(2)
+    stopping.close(timeout_s=0)  # a signal's stop: the export in flight is abandoned, whole
+    assert stopping.last["ok"] is False and "abandoned" in stopping.last["error"]
+    assert sorted(p.name for p in hf.iterdir()) == ["step-4"]
+    resumed.submit(2)
+    resumed.close(timeout_s=300)
+    kept = HFExports(str(run_dir / "checkpoint"), str(run_dir), every=2, keep=1)
+    kept._prune()
+    assert sorted(p.name for p in hf.iterdir()) == ["step-4"]
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-2", "step-4"]

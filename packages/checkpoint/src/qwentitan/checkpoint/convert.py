@@ -43,6 +43,17 @@ SERIAL_SHARDS = True
 CHUNK_BYTES = 32 << 20
 _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _SIDE_FILES = ("config.json", "generation_config.json")
+# A tokenizer's files as transformers saves them: copied beside an export when found beside its
+# config, so the export loads with AutoTokenizer too.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> Path:
@@ -384,3 +395,6 @@ def _write_side_files(
         fields = ("bos_token_id", "eos_token_id", "pad_token_id")
         gen = {k: config[k] for k in fields if config.get(k) is not None}
         (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copyfile(source_dir / name, folder / name)

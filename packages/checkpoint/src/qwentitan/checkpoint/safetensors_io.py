@@ -338,7 +338,9 @@ class ShardedWriter:
         if list(groups) != [SINGLE]:
             # Like save_pretrained, a single model.safetensors has no index: torchtitan's
             # adapter reads shard numbers out of index file names and fails on one without.
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            params = sum(math.prod(shape) for _, _, shape in tensors)
+            metadata = {"total_size": total, "total_parameters": params}
+            index = {"metadata": metadata, "weight_map": weight_map}
             (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     def _lay_out(self, file: Path, group: list[Entry]) -> int:

@@ -119,6 +119,13 @@ FLAGS = {
         ),
         Flag("checkpoint_interval", ("--checkpoint-interval",), "save a checkpoint every N steps"),
         Flag(
+            "hf_every",
+            ("--hf-every",),
+            "export each checkpoint at a multiple of N steps, and the last, to RUN/hf/step-N as "
+            "a verified Hugging Face folder, in the background",
+        ),
+        Flag("hf_keep", ("--hf-keep",), "keep the newest K Hugging Face exports (default: all)"),
+        Flag(
             "compile_cache",
             ("--compile-cache",),
             "Neuron compile (NEFF) cache folder, kept across runs (default: "
@@ -164,7 +171,7 @@ SHARED = (
     *("recipe", "instance", "nodes", "ranks_per_node", "lnc"),
     *LAYOUT,
     *("seq_len", "local_batch_size", "steps", "stop_after", "stop_by"),
-    *("run_dir", "resume", "checkpoint_interval", "compile_cache"),
+    *("run_dir", "resume", "checkpoint_interval", "hf_every", "hf_keep", "compile_cache"),
     *("dataset", "tokenizer", "validate_every"),
 )
 

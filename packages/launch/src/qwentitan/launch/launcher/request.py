@@ -44,6 +44,8 @@ TRAINER_FIELDS: dict[str, tuple[str, ...]] = {
     "ep": ("--parallelism.expert-parallel-degree",),
     "run_dir": ("--dump-folder",),
     "checkpoint_interval": ("--checkpoint.interval",),
+    "hf_every": ("--checkpoint.hf-every",),
+    "hf_keep": ("--checkpoint.hf-keep",),
     "dataset": ("--dataloader.dataset", "--validator.dataloader.dataset"),
     "tokenizer": ("--hf-assets-path",),
     "validate_every": ("--validator.freq",),
@@ -104,6 +106,10 @@ class RunRequest:
     resume: str = "auto"
     """One of RESUME_MODES."""
     checkpoint_interval: int | None = None
+    hf_every: int | None = None
+    """Export each checkpoint at a multiple of this step, and the last, to RUN/hf/step-N."""
+    hf_keep: int | None = None
+    """Keep the newest this many exports (None: the recipe's, by default all)."""
     compile_cache: str | None = None
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
@@ -143,6 +149,12 @@ class RunRequest:
             if why:
                 fix = "drop it" if why == _IMPORTS_WHY else "pass {recipe} NAME instead"
                 raise LaunchError(f"The override {word} is refused: {why}; {fix}.", field="recipe")
+        if self.hf_every is not None and self.run_dir is not None and is_remote(self.run_dir):
+            raise LaunchError(
+                "{hf_every} exports runs in a local folder only, not yet on S3; drop {hf_every} "
+                "and export a step later with `qwentitan-ckpt to-hf` after copying it down.",
+                field="hf_every",
+            )
         if self.stop_by is not None:
             object.__setattr__(self, "stop_by", _absolute_stop_by(self.stop_by))
         if self.run_dir is not None and is_remote(self.run_dir):

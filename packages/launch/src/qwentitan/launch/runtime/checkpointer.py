@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
 from qwentitan.launch.base import s3
+from qwentitan.launch.runtime.hf_export import HFExports, export_files, write_export_files
 
 __all__ = ["SAVE_FAILED_EXIT", "GuardedCheckpointManager", "guarded"]
 
@@ -45,15 +47,60 @@ class GuardedCheckpointManager(CheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        pass  # torchtitan's fields; its own class, so that `build()` makes this manager
+        """torchtitan's fields (its own class, so that `build()` makes this manager), and:"""
+
+        hf_every: int = 0
+        """Export each checkpoint at a multiple of this step, and the last, to RUN/hf/step-N as a
+        verified Hugging Face folder, in a process of its own beside the ranks (0: none)."""
+        hf_keep: int = 0
+        """Keep the newest this many exports in RUN/hf (0: all); checkpoints are never deleted."""
+        hf_wait: float = 300.0
+        """Seconds the end of a run (a stop included) waits for exports before abandoning them."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         s3.apply_deadlines()  # a checkpoint folder on S3: no request waits unbounded
         self.save_seconds: list[float] = []
         """Seconds of each save that wrote a checkpoint, oldest first (the reader empties it)."""
+        self.export_files: dict[str, bytes] | None = None
+        """What each step folder carries for export (rank 0, set by `describe_export`)."""
+        self.exports: HFExports | None = None
+        self._abandon_exports = False
+        self._export_config = config
+        self._run_dir = str(kwargs.get("base_folder", ""))
         super().__init__(config, **kwargs)
 
+    def describe_export(
+        self, flavor: str, hf_assets_path: str, on_result: Callable[[dict], None] | None = None
+    ) -> None:
+        """Rank 0: give each checkpoint what export needs and, with `hf_every`, export them
+        (on resume, the checkpoints an earlier run left unexported first)."""
+        if not self.enable:
+            return
+        self.export_files = export_files(flavor, hf_assets_path)
+        every = self._export_config.hf_every
+        if every > 0 and filesystem.is_remote(self.folder):
+            logger.warning(
+                "--hf-every exports local run folders only, so this s3:// run is not exported; "
+                "export a step afterwards with `qwentitan-ckpt to-hf`."
+            )
+        elif every > 0 and self.async_mode != "disabled":
+            logger.warning(
+                "--hf-every exports synchronous checkpoints only, so this run (checkpoint."
+                "async_mode) is not exported; export a step afterwards with `qwentitan-ckpt to-hf`."
+            )
+        elif every > 0:
+            self.exports = HFExports(
+                str(self.folder),
+                self._run_dir,
+                every=every,
+                keep=self._export_config.hf_keep,
+                on_result=on_result,
+            )
+            self.exports.submit_missing()
+
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self.exports is not None:
+            self.exports.poll()
         start = time.perf_counter()
         try:
             wrote = super()._save(curr_step, last_step)
@@ -69,7 +116,22 @@ class GuardedCheckpointManager(CheckpointManager):
             raise SystemExit(SAVE_FAILED_EXIT) from None
         if wrote:
             self.save_seconds.append(time.perf_counter() - start)
+            if self.export_files is not None:
+                write_export_files(self._create_checkpoint_id(curr_step), self.export_files)
+            if self.exports is not None and self.exports.wanted(curr_step, last_step):
+                self.exports.submit(curr_step)
         return wrote
+
+    def abandon_exports_at_close(self) -> None:
+        """A stop that cannot wait (signal, spot notice, deadline): the export in flight is
+        killed at close, with its partial folder."""
+        self._abandon_exports = True
+
+    def _close(self) -> None:
+        super()._close()
+        exports, self.exports = self.exports, None
+        if exports is not None:
+            exports.close(0.0 if self._abandon_exports else self._export_config.hf_wait)
 
     def save_full(self, step: int) -> bool:
         """Save now, whatever the interval, the full state (model, optimizer, lr schedule, data

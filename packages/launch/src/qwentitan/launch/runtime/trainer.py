@@ -62,7 +62,7 @@ from qwentitan.launch.runtime.spot import SpotWatcher, describe_notice, start_wa
 from qwentitan.launch.runtime.stop_clock import StopClock, state_bytes
 from qwentitan.launch.runtime.validator import PausableValidator
 from qwentitan.launch.runtime.whole_init import whole_init
-from qwentitan.launch.tracking.logger import FIRST_STEP, attach_report
+from qwentitan.launch.tracking.logger import FIRST_STEP, HF_EXPORT, attach_report
 from qwentitan.launch.tracking.store import STOP
 
 __all__ = ["Trainer", "force_sum_reduction"]
@@ -173,6 +173,10 @@ class Trainer(torchtitan_trainer.Trainer):
         # On a full disk torchtitan's structured logger (a file in the run folder) fails too, and
         # Python's logging would print a traceback per record; the failed save's sentence says why.
         logging.raiseExceptions = False
+        if config.checkpoint.enable and _rank() == 0:
+            self.checkpointer.describe_export(
+                config.model_spec.flavor, config.hf_assets_path, self._on_export
+            )
         if config.stop_by:
             self.clock = self._start_clock(config.stop_by)
         if isinstance(getattr(self, "validator", None), PausableValidator):
@@ -202,6 +206,25 @@ class Trainer(torchtitan_trainer.Trainer):
             if self.clock is not None:
                 self.clock.saved(seconds)
                 logger.info(f"The save took {seconds:.2f} s: the --stop-by budget now counts that.")
+
+    def _on_export(self, result: dict[str, Any]) -> None:
+        """Rank 0: one line per export, the report the Summary reads and MLflow's tags."""
+        if result["ok"]:
+            logger.info(f"Exported step {result['step']} to {result['folder']} (verified).")
+        else:
+            logger.warning(
+                f"Exporting step {result['step']} to Hugging Face failed ({result['error']}); "
+                "training goes on."
+            )
+        attach_report(self.config.dump_folder, HF_EXPORT, result)
+        mlflow = getattr(getattr(self, "metrics_processor", None), "mlflow", None)
+        if mlflow is not None:
+            state = "ok" if result["ok"] else "failed"
+            mlflow.set_tags(
+                {"hf_export.last": f"step {result['step']} {state}: {result['folder']}"}
+            )
+            if not result["ok"]:
+                mlflow.set_tags({"hf_export.failed": f"step {result['step']}: {result['error']}"})
 
     def _on_spot_notice(self, text: str) -> None:
         """From the watcher's thread: only the flag a signal would set, and one line."""
@@ -288,6 +311,8 @@ class Trainer(torchtitan_trainer.Trainer):
             report["budget"] = self.clock.decision or self.clock.figures()
         if self.spot is not None and self.spot.notice is not None:
             report["spot_notice"] = self.spot.notice
+        if agreed is not None:  # a signal, spot notice or deadline: no time to wait for exports
+            self.checkpointer.abandon_exports_at_close()  # `--resume` exports what is left
         record = getattr(self.metrics_processor, "record_stop", None)
         if record is not None:
             record(report)
@@ -296,3 +321,7 @@ class Trainer(torchtitan_trainer.Trainer):
 
     def should_continue_training(self) -> bool:
         return self.at_step_boundary()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

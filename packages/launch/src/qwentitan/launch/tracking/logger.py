@@ -398,6 +398,7 @@ def job_nodes(world_size: int) -> int:
 
 # The reports qwentitan itself writes, so the MLflow artifact tree reads the same for every run.
 FIRST_STEP = "first_step"  # the first step's time (compile included) and the CPU fallbacks
+HF_EXPORT = "hf_export"  # the last Hugging Face export of the run (runtime.hf_export)
 SUMMARY = "summary"  # the figures that end `train` on the console (processor.SummaryLogger)
 
 

@@ -208,6 +208,9 @@ def format_summary(
         ("warm-up", f"{warmup:.1f} s (first step, compilation included)" if warmup else "n/a"),
         ("checkpoints", str(checkpoint_folder) if checkpoint_folder else "off"),
     ]
+    if export := report.get("hf_export"):  # the last Hugging Face export (--hf-every)
+        result = "verified" if export.get("ok") else f"FAILED: {export.get('error')}"
+        rows.append(("HF export", f"{export.get('folder')} ({result})"))
     if report.get("stopped"):
         rows.append(("stopped", f"{report['stopped']}; --resume continues"))
     mlflow = report.get("mlflow")

@@ -189,4 +189,8 @@ def _summary_block(
     # An earlier run's file (a run folder continued with --resume) is not this run's summary.
     if not path.is_file() or path.stat().st_mtime < started:
         return None
-    return format_summary(json.loads(path.read_text(encoding="utf-8")), checkpoint_folder, ended)
+    report = json.loads(path.read_text(encoding="utf-8"))
+    export = path.with_name("hf_export.json")  # rank 0's last Hugging Face export (--hf-every)
+    if export.is_file() and export.stat().st_mtime >= started:
+        report["hf_export"] = json.loads(export.read_text(encoding="utf-8"))
+    return format_summary(report, checkpoint_folder, ended)
