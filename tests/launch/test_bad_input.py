@@ -597,3 +597,17 @@ def test_a_signal_while_the_launcher_checks_is_one_line(capsys, in_tmp, monkeypa
     said = capsys.readouterr().err
     assert said == f"qwentitan-launch {command}: stopped by {sig}; run it again.\n"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize(
+    ("instance", "named"),
+    [([], ["tiny_dense", "qwen3_4b_hf"]), (["--instance", "trn2.48xlarge"], ["qwen3_4b_hf"])],
+)
+def test_a_run_without_a_recipe_lists_the_names(capsys, in_tmp, instance, named):
+    """`nox -s train_trn2 -- --dry-run` without --recipe: the refusal lists what to pass (the
+    instance's recipes when one is named)."""
+    line = refusal(capsys, ["run", "--dry-run", *instance])
+    assert line.startswith("Name the run: pass --recipe NAME (or --plan FILE); NAME is one of ")
+    for name in named:
+        assert name in line
+    assert ("tiny_dense" in line) == (not instance)

@@ -253,9 +253,23 @@ def plan_from_args(args: argparse.Namespace, **changes: Any) -> LaunchPlan:
             )
         return load_plan(args.plan, **changes)
     if not getattr(args, "recipe", None):
-        raise LaunchError("Name the run: pass {recipe} NAME (or --plan FILE).", field="recipe")
+        raise LaunchError(
+            f"Name the run: pass {{recipe}} NAME (or --plan FILE); NAME is one of "
+            f"{', '.join(_recipes_for(getattr(args, 'instance', None)))}.",
+            field="recipe",
+        )
     changes = {k: v for k, v in changes.items() if v is not None}  # unset: the request's default
     return resolve_plan(request_from_args(args, **changes))
+
+
+def _recipes_for(instance: str | None) -> list[str]:
+    """The recipes written for `instance` (all of them when none is named)."""
+    from qwentitan.launch.recipes import recipe_info
+
+    every = recipe_names()
+    if instance is None:
+        return every
+    return [name for name in every if recipe_info(name).instance == instance] or every
 
 
 def describe(plan: LaunchPlan) -> str:
