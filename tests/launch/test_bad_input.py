@@ -611,3 +611,21 @@ def test_a_run_without_a_recipe_lists_the_names(capsys, in_tmp, instance, named)
     for name in named:
         assert name in line
     assert ("tiny_dense" in line) == (not instance)
+
+
+def test_slurm_keeps_an_existing_script_and_plan_file_unless_told(capsys, in_tmp):
+    """Issue 56: a queued job may run the script and its plan file; `-o` over them is refused
+    until --overwrite, and each is left as it was."""
+    argv = ["slurm", "--recipe", "tiny_dense", "--nodes", "2", "-o", "job.sbatch"]
+    for existing in ("job.sbatch", "job.plan.json"):
+        (in_tmp / existing).write_text("queued\n")
+        assert refusal(capsys, argv) == (
+            f"{(in_tmp / existing) if existing.endswith('json') else existing} already exists (a "
+            "queued job may run it); pass --overwrite to replace the script and its plan file, "
+            "or -o another path."
+        )
+        assert (in_tmp / existing).read_text() == "queued\n"
+        (in_tmp / existing).unlink()
+    (in_tmp / "job.sbatch").write_text("queued\n")
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert "srun" in (in_tmp / "job.sbatch").read_text()
