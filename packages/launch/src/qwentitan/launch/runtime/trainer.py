@@ -220,7 +220,8 @@ class Trainer(torchtitan_trainer.Trainer):
             return super().train_step(data_iterator)
         # The longest silence of a run otherwise: the first step builds and compiles everything.
         logger.info(
-            f"Step {self.step} is the first: it compiles and warms up, so it takes longest."
+            f"Step {self.step} is the first: it compiles and warms up, so it takes longest. "
+            f"A step line's memory is {self.platform.memory_measured}."
         )
         start = time.perf_counter()
         super().train_step(data_iterator)
