@@ -4,6 +4,7 @@ imported torchtitan, the dataset read offline, EFA, and the weights download (`f
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -207,9 +208,10 @@ def test_a_tiny_run_reads_its_tokens_in_a_unit_that_shows_them():
     """Issue 56: 3 steps of a tiny run read 3,072 tokens, not "0.0M"."""
     plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2, steps=3))
     result = check_dataset(plan)
-    assert result.status == "pass" and "the run reads 3,072 tokens (3 steps x 8 x 128)" in (
+    assert result.status == "pass" and "the run reads 3,072 tokens (3 steps x 8 x 128), " in (
         result.detail
     ), result.detail
+    assert re.search(r"\(3 steps x 8 x 128\), 0\.\d\d% of it$", result.detail), result.detail
     assert [tokens(n) for n in (999, 1_600_000, 2_140_000_000)] == [
         "999 tokens",
         "1.6M tokens",

@@ -96,7 +96,7 @@ def check_dataset(plan: LaunchPlan) -> CheckResult:
         "pass",
         f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB on this host; {read}; the "
         f"run reads {tokens(needed)} ({plan.steps} steps x {plan.global_batch} x "
-        f"{plan.seq_len}), about {passes:.1f} passes over it"
+        f"{plan.seq_len}), {_share(passes)}"
         + ("; for a run this long put more text on the host" if passes > REPEATS_NOTED else ""),
         figures,
     )
@@ -108,3 +108,8 @@ def tokens(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.1f}{unit} tokens"
     return f"{count:,} tokens"
+
+
+def _share(passes: float) -> str:
+    """How much of the data the run reads: passes over it, or a percentage under a tenth."""
+    return f"about {passes:.1f} passes over it" if passes >= 0.1 else f"{passes:.2%} of it"
