@@ -274,7 +274,11 @@ class Trainer(torchtitan_trainer.Trainer):
         saving = self.config.checkpoint.enable and not interval_saved
         logger.info(
             f"Stopping after step {self.step}: {reason}"
-            + ("; saving a checkpoint to resume from." if saving else ".")
+            + (
+                "; saving a checkpoint to resume from."
+                if saving and "checkpoint" not in reason
+                else "."
+            )
         )
         if saving:
             self.checkpointer.save_full(self.step)  # not the end: a later run resumes from it
