@@ -211,7 +211,7 @@ def test_a_dataset_changed_after_the_check_ends_the_rank_in_one_sentence(
     assert "\n" not in errors[0] and "Traceback" not in errors[0]
 
 
-def test_the_first_run_says_it_builds_the_tokenizer_and_corpus_once(tmp_path, monkeypatch, capsys):
+def test_the_first_run_says_it_builds_the_tokenizer_and_corpus_once(tmp_path, monkeypatch, capfd):
     """Issue 56: one line each on the first use, with the time it took; nothing once cached.
     (The builds themselves are `two_builds`'; stand-ins here write what they leave.)"""
     from qwentitan.launch.runtime.data import corpus, tokenizer
@@ -229,7 +229,7 @@ def test_the_first_run_says_it_builds_the_tokenizer_and_corpus_once(tmp_path, mo
     for _ in range(2):
         corpus.offline_corpus(tmp_path)
         tokenizer.qwen_tokenizer_folder(tmp_path)
-    said = capsys.readouterr().err.splitlines()
+    said = capfd.readouterr().err.splitlines()  # the process's stderr, even where it is caught
     assert len(said) == 2, said
     for line, what in zip(said, ("offline corpus", "Qwen3 tokenizer"), strict=True):
         assert re.fullmatch(

@@ -195,6 +195,9 @@ class ConsoleFilter:
         return len(text)
 
     def flush(self) -> None:
+        if self._pending and self.keep(self._pending):  # a part line flushed on purpose: say it
+            self.out.write(self._pending)
+        self._pending = ""
         self.out.flush()
 
     def __getattr__(self, name: str) -> Any:  # fileno, encoding, isatty, ...

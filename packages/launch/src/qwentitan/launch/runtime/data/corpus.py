@@ -101,8 +101,8 @@ def offline_corpus(cache: Path | None = None) -> Path:
 
 def said_once(done: str, started: float) -> None:
     """One line on stderr for a cache built on the first run (`train` would otherwise be
-    silent for those seconds): what was built, where, how long it took."""
+    silent for those seconds): what was built, where, how long it took. The process's own
+    stderr: the recipe's config, which builds the tokenizer, is loaded with sys.stderr caught."""
     seconds = time.perf_counter() - started
-    print(
-        f"qwentitan: {done} in {seconds:.1f} s; later runs reuse it.", file=sys.stderr, flush=True
-    )
+    out = sys.__stderr__ or sys.stderr
+    print(f"qwentitan: {done} in {seconds:.1f} s; later runs reuse it.", file=out, flush=True)
