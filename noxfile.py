@@ -6,6 +6,7 @@ import hashlib
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -68,9 +69,16 @@ def _uv_run(session: nox.Session, *command: str, **kwargs: object) -> str | bool
     stamp = _shared_env() / ".qwentitan-compiled"
     digest = hashlib.sha256((Path(__file__).parent / "uv.lock").read_bytes()).hexdigest()
     if not (stamp.is_file() and stamp.read_text() == digest):
+        compiling = _COMPILE["UV_COMPILE_BYTECODE"] not in ("0", "false")
+        if compiling:  # the first run's longest silence otherwise (a minute on a small host)
+            session.log("Compiling the environment's bytecode once for this uv.lock ...")
+        started = time.monotonic()
         session.run("uv", "sync", "--locked", "--inexact", env=_COMPILE, external=True)
-        if _COMPILE["UV_COMPILE_BYTECODE"] not in ("0", "false"):
+        if compiling:
             stamp.write_text(digest)
+            session.log(
+                f"Bytecode compiled in {time.monotonic() - started:.0f} s; later runs skip it."
+            )
     return session.run("uv", "run", "--locked", *command, external=True, **kwargs)
 
 

@@ -86,6 +86,7 @@ def test_overwrite_replaces_a_checkpoint_of_the_same_kind(make_hf, capsys, tmp_p
     to_dcp(src, dst)
     code, err = run_cli(capsys, "to-dcp", src, dst)
     assert code == 2 and "already exists" in one_sentence(err) and "--overwrite" in err
+    assert "overwrite=True" not in err  # the CLI's flag, not the Python keyword (issue 56)
     stale = dst / "__0_999.distcp"
     stale.write_bytes(b"from an older save")
     assert run_cli(capsys, "to-dcp", src, dst, "--overwrite")[0] == 0

@@ -33,9 +33,11 @@ def test_hf_to_dcp_to_hf_is_bitwise_identical(
     index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
     back_index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert back_index["weight_map"] == index
-    # the parameter count beside the bytes: every tensor written, the tied head once
-    numel = sum(tensor.numel() for tensor in after.values())
-    assert back_index["metadata"]["total_parameters"] == numel
+    # save_pretrained's metadata: bytes and parameters of the tensors written (issue 56)
+    assert back_index["metadata"] == {
+        "total_parameters": sum(t.numel() for t in after.values()),
+        "total_size": sum(t.numel() * t.element_size() for t in after.values()),
+    }
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
         (src / "config.json").read_text()
     )

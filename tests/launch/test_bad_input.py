@@ -634,3 +634,35 @@ def test_a_signal_while_the_launcher_checks_is_one_line(capsys, in_tmp, monkeypa
     said = capsys.readouterr().err
     assert said == f"qwentitan-launch {command}: stopped by {sig}; run it again.\n"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize(
+    ("instance", "named"),
+    [([], ["tiny_dense", "qwen3_4b_hf"]), (["--instance", "trn2.48xlarge"], ["qwen3_4b_hf"])],
+)
+def test_a_run_without_a_recipe_lists_the_names(capsys, in_tmp, instance, named):
+    """`nox -s train_trn2 -- --dry-run` without --recipe: the refusal lists what to pass (the
+    instance's recipes when one is named)."""
+    line = refusal(capsys, ["run", "--dry-run", *instance])
+    assert line.startswith("Name the run: pass --recipe NAME (or --plan FILE); NAME is one of ")
+    for name in named:
+        assert name in line
+    assert ("tiny_dense" in line) == (not instance)
+
+
+def test_slurm_keeps_an_existing_script_and_plan_file_unless_told(capsys, in_tmp):
+    """Issue 56: a queued job may run the script and its plan file; `-o` over them is refused
+    until --overwrite, and each is left as it was."""
+    argv = ["slurm", "--recipe", "tiny_dense", "--nodes", "2", "-o", "job.sbatch"]
+    for existing in ("job.sbatch", "job.plan.json"):
+        (in_tmp / existing).write_text("queued\n")
+        assert refusal(capsys, argv) == (
+            f"{(in_tmp / existing) if existing.endswith('json') else existing} already exists (a "
+            "queued job may run it); pass --overwrite to replace the script and its plan file, "
+            "or -o another path."
+        )
+        assert (in_tmp / existing).read_text() == "queued\n"
+        (in_tmp / existing).unlink()
+    (in_tmp / "job.sbatch").write_text("queued\n")
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert "srun" in (in_tmp / "job.sbatch").read_text()

@@ -1,6 +1,7 @@
 """The offline corpus, Qwen3's tokenizer and the dataset loaders."""
 
 import json
+import re
 import signal
 
 import pytest
@@ -208,3 +209,31 @@ def test_a_dataset_changed_after_the_check_ends_the_rank_in_one_sentence(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= 40]
     assert len(errors) == 1 and str(data) in errors[0] and said in errors[0], errors
     assert "\n" not in errors[0] and "Traceback" not in errors[0]
+
+
+def test_the_first_run_says_it_builds_the_tokenizer_and_corpus_once(tmp_path, monkeypatch, capfd):
+    """Issue 56: one line each on the first use, with the time it took; nothing once cached.
+    (The builds themselves are `two_builds`'; stand-ins here write what they leave.)"""
+    from qwentitan.launch.runtime.data import corpus, tokenizer
+
+    def stand_in(file):
+        def build(folder):
+            folder.mkdir(parents=True)
+            (folder / file).write_text("{}")
+            return folder / file
+
+        return build
+
+    monkeypatch.setattr(corpus, "build_corpus", stand_in(corpus.CORPUS_FILE))
+    monkeypatch.setattr(tokenizer, "build_qwen_tokenizer", stand_in("tokenizer.json"))
+    for _ in range(2):
+        corpus.offline_corpus(tmp_path)
+        tokenizer.qwen_tokenizer_folder(tmp_path)
+    said = capfd.readouterr().err.splitlines()  # the process's stderr, even where it is caught
+    assert len(said) == 2, said
+    for line, what in zip(said, ("offline corpus", "Qwen3 tokenizer"), strict=True):
+        assert re.fullmatch(
+            rf"qwentitan: built the {what} once into {tmp_path}/\S+ in \d+\.\d s; later runs "
+            r"reuse it\.",
+            line,
+        ), line

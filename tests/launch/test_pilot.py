@@ -329,6 +329,26 @@ def test_a_full_disk_is_one_sentence_exit_2_and_the_parent_run_is_ended(
     assert capsys.readouterr().err.startswith("pilot: could not write")
 
 
+def test_without_a_run_dir_the_pilot_writes_a_new_folder_that_latest_names(
+    tmp_path, monkeypatch, capsys, new_mlflow_store
+):
+    """Issue 56: as `train`'s outputs/RECIPE/latest (the children's start stood in by a full
+    disk: what the pilot wrote before it is what matters here)."""
+
+    def disk_full(flavor, folder, *, seed=0):
+        raise OSError(28, "No space left on device", str(folder))
+
+    monkeypatch.setattr(initial_checkpoint, "write_initial_checkpoint", disk_full)
+    uri = new_mlflow_store(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    latest = tmp_path / "outputs" / "pilot" / "latest"
+    for _ in range(2):
+        assert pilot_main(["--tracking-uri", uri, "--pair", "dense"]) == 2
+        assert latest.is_symlink() and latest.resolve().parent == latest.parent
+        assert f"pilot: could not write ({latest.resolve()}/start" in capsys.readouterr().err
+    assert len(list((tmp_path / "outputs" / "pilot").iterdir())) == 3  # two runs and latest
+
+
 def test_a_layout_over_its_limit_is_one_sentence_naming_layout_step_and_difference():
     tp2 = MESH["tiny_dense.tp2"]
     curves = _curves({2: 2e-4, 3: 5e-3})

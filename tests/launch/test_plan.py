@@ -115,6 +115,13 @@ def test_describe_shows_the_numbers():
     text = describe(plan())
     assert "64 = 1 x 64 per node" in text and "LNC 2" in text and "FSDP 64" in text
     assert "NEURON_LOGICAL_NC_CONFIG=2" in text and "torchrun" in text
+    # issue 56: the estimate says what it adds up and what the step lines measure instead
+    (memory,) = (line for line in text.splitlines() if line.startswith("memory/rank"))
+    assert "estimated: model and optimizer state " in memory and "activations " in memory
+    assert memory.endswith("(a step line's memory: the peak HBM the Neuron runtime gave "
+                           "TorchNeuron's allocator)")  # fmt: skip
+    cpu = describe(plan("tiny_dense", instance="cpu", seq_len=None, ranks_per_node=2))
+    assert "(a step line's memory: the rank's peak RSS, its whole process" in cpu
 
 
 def test_the_shell_is_checked_when_the_plan_is_resolved():

@@ -56,6 +56,23 @@ def train(train_in_process, tmp_path_factory):
     return run
 
 
+# Issue 56: lines a two-rank `train` leaves out of the console (regexes), all in its log.
+LOG_ONLY = (
+    r"^env +\S+=\S* +\(plan\)$",
+    r"UserWarning: DTensor random operators may not have complete support on cpu device mesh",
+    r"Preparing qwentitan-validation-\S+ dataset from offline",
+    r" - INFO - \[GC\] ",
+    r"Synchronizing and adjusting timeout",
+)
+
+
+def full_log(run_dir: Path) -> str:
+    """Everything in RUN_DIR/logs: torchrun's files of every rank and attempt, the plan."""
+    files = sorted(p for p in (run_dir / "logs").rglob("*") if p.suffix in (".log", ".txt"))
+    assert files, f"no logs in {run_dir}"
+    return "".join(p.read_text(errors="replace") for p in files)
+
+
 def _tensors(obj, prefix=""):
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
@@ -108,6 +125,11 @@ def test_train_ends_with_the_summary_and_without_the_noise(uninterrupted):
     root, run = uninterrupted
     for noise in NOISE:
         assert noise not in run.log, noise
+    # Issue 56: lines left to the run's log (RUN_DIR/logs: every rank's whole output, the plan)
+    logs = full_log(root / "run")
+    for line in LOG_ONLY:
+        assert re.search(line, logs, re.M), line
+        assert not re.search(line, run.log + run.launcher, re.M), line
     assert "MFU: n/a on cpu" in run.log
     assert "Step 1 is the first: it compiles and warms up" in run.log
     (first_step,) = re.findall(r"First step 1: ([0-9.]+) s", run.log)
@@ -148,6 +170,7 @@ def test_resume_continues_exactly(uninterrupted, train, tmp_path):
     shutil.copytree(root / "run" / step_2, run_dir / step_2)
     second = train(run_dir, "--resume")
     assert sorted(second.losses) == [3, 4] and "Training starts at step 3" in second.plain
+    assert "lr_scheduler.py" in full_log(run_dir) and "lr_scheduler.py" not in second.log
     for step, (loss, grad_norm) in second.losses.items():
         assert loss == pytest.approx(reference.losses[step][0], abs=2e-5), step
         assert grad_norm == pytest.approx(reference.losses[step][1], abs=2e-4), step
@@ -230,6 +253,8 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     assert "no free-space check for s3://" in resumed.launcher
     assert "dp_shard=1" in resumed.plain and "Training starts at step 3" in resumed.plain
     assert sorted(resumed.losses) == [3] and "Stopping after step 3" in resumed.plain
+    for finished in ("at last step", "Last step checkpoint", "Training completed"):  # issue 56
+        assert finished not in resumed.plain, finished
     assert resumed.losses[3][0] == pytest.approx(reference.losses[3][0], abs=1e-4)
     listed = sorted(p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/one-rank/checkpoint"))
     assert listed == ["step-2", "step-3"]

@@ -326,3 +326,35 @@ def test_the_agent_takes_the_jobs_rendezvous_id(monkeypatch):
     monkeypatch.setenv("QWENTITAN_RDZV_ID", "qwentitan-1234")
     assert agent.main(argv) == 0
     assert [args.rdzv_id for args in seen] == ["qwentitan-tiny_dense", "qwentitan-1234"]
+
+
+def test_node_local_folders_of_a_multi_node_neuron_plan_are_one_warning_each(
+    two_node_plan, tmp_path, monkeypatch, capsys
+):
+    """Issue 56: a NEFF cache and a Python on this host's own disk (the mount table that
+    preflight's compile_cache check reads), one line each; none on a shared file system, none
+    for one node."""
+    from qwentitan.launch.launcher import cli
+    from qwentitan.launch.launcher.preflight import compile_cache
+    from qwentitan.launch.launcher.slurm import shared_folder_warnings
+
+    local = "/dev/root / ext4 rw 0 0\n"
+    cache = two_node_plan.env["TORCH_NEURONX_NEFF_CACHE_DIR"]
+    neff, python = shared_folder_warnings(two_node_plan, local)
+    assert neff.startswith(f"The NEFF cache {cache} (") and neff.endswith("Lustre.")
+    assert "each of the 2 nodes compiles" in neff
+    assert python.startswith(f"The script runs {sys.executable}, on this host's ext4 at /, not")
+    shared = local + f"fs:/ {cache} lustre rw 0 0\nnfs:/ {sys.prefix} nfs4 rw 0 0\n"
+    assert shared_folder_warnings(two_node_plan, shared) == []
+    one_node = resolve_plan(RunRequest(recipe="qwen3_debugmodel", instance="trn2.48xlarge",
+                                       seq_len=2048))  # fmt: skip
+    assert shared_folder_warnings(one_node, local) == []
+    # `slurm` says each on one line of stderr and still writes the script
+    (tmp_path / "mounts").write_text(local)
+    monkeypatch.setattr(compile_cache, "MOUNTS", tmp_path / "mounts")
+    argv = ["slurm", "--recipe", "qwen3_debugmodel", "--instance", "trn2.48xlarge", "--nodes",
+            "2", "--seq-len", "2048", "-o", str(tmp_path / "job.sbatch")]  # fmt: skip
+    assert cli.main(argv) == 0
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [f"qwentitan-launch slurm: warning: {line}" for line in (neff, python)]
+    assert (tmp_path / "job.sbatch").is_file()

@@ -211,3 +211,64 @@ def test_quiet_console_colours_only_where_told_and_quiets_mlflows_store_setup(
     assert said == [line if coloured else "step:  1  loss: 11.9", "a real problem"]
     monkeypatch.setenv("QWENTITAN_COLOR", "0")
     quiet_console()  # the other tests see plain text again
+
+
+# What a two-rank `train` printed before the console left them to the run's log (issue 56),
+# torchrun's `[rank0]:` first; the lines a user reads around them stay.
+_LOG_ONLY = (
+    "env           THP_MEM_ALLOC_ENABLE=1  (plan)",
+    "[rank0]:/x/.venv/lib/python3.11/site-packages/torch/distributed/tensor/_random.py:76: "
+    "UserWarning: DTensor random operators may not have complete support on cpu device mesh",
+    "[rank0]:  if not is_rng_supported_mesh(device_mesh):",
+    "[rank0]:[titan] 2026-12-07 01:47:32,260 - root - INFO - [GC] Initial GC collection took 0.00 "
+    "seconds",
+    "[rank0]:[titan] 2026-12-07 01:47:51,383 - root - INFO - Preparing "
+    "qwentitan-validation-20-a41cc4e402cc1226 dataset from offline",
+    "[rank0]:[titan] 2026-12-07 01:47:54,781 - root - INFO - Synchronizing and adjusting timeout "
+    "for all ProcessGroups to 0:02:00",
+    "[rank0]:/x/site-packages/torch/optim/lr_scheduler.py:209: UserWarning: The epoch parameter "
+    "in `scheduler.step()` was not necessary and is being deprecated where possible.",
+    "[rank0]:  warnings.warn(",
+)
+_KEPT = (
+    "env           QWENTITAN_MLFLOW=on  (shell)",
+    "[rank0]:[titan] 2026-12-07 01:47:51,380 - root - INFO - step:  1  loss: 11.94323",
+    "[rank0]:[titan] 2026-12-07 01:47:54,780 - root - INFO - validate step:  1  loss: 11.8869",
+    "[rank0]:[titan] 2026-12-07 01:48:02,247 - root - INFO - Saving the checkpoint.",
+    "[rank0]:[titan] 2026-12-07 01:48:02,247 - root - INFO - Saving a full checkpoint at last "
+    "step, step 3.",  # the last step: true
+    "[rank0]:[titan] 2026-12-07 01:48:03,509 - root - INFO - Training completed",
+    "[rank0]:Traceback (most recent call last):",
+    '[rank0]:  File "x.py", line 1, in <module>',  # indented, but no warning's
+    "[rank0]:/work/qwentitan/src/mine.py:3: UserWarning: our own warning",
+)
+_STOP = (
+    "[rank0]:[titan] 2026-12-07 01:51:13,152 - root - INFO - Stopping after step 2: --stop-by "
+    "deadline: no time for another step and a save; saving a checkpoint to resume from.",
+    "[rank0]:[titan] 2026-12-07 01:51:13,152 - root - INFO - Saving a full checkpoint at last "
+    "step, step 2.",
+    "[rank0]:[titan] 2026-12-07 01:51:14,629 - root - INFO - Last step checkpoint completed in 1.48s",
+    "[rank0]:[titan] 2026-12-07 01:51:14,629 - root - INFO - Training completed",
+)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_console_leaves_the_noise_to_the_log_unless_verbose(monkeypatch, verbose):
+    import io
+
+    from qwentitan.launch.runtime.console import VERBOSE, ConsoleFilter, for_console
+
+    monkeypatch.setenv(VERBOSE, "1" if verbose else "")
+    lines = [*_KEPT[:2], *_LOG_ONLY, *_KEPT[2:], *_STOP]
+    out = io.StringIO()
+    console = ConsoleFilter(out)
+    for line in lines:
+        console.write(line[:20])  # torchrun's tail writes whole lines; a print writes parts
+        console.write(line[20:] + "\n")
+    shown = out.getvalue().splitlines()
+    plan_block = for_console("\n".join(lines[:3])).splitlines()
+    if verbose:
+        assert plan_block == lines[:3]  # the agent then wraps nothing: torchrun's own streams
+        return
+    assert shown == [*_KEPT, _STOP[0]]  # after a stop, nothing reads as a finished run
+    assert plan_block == [lines[0], lines[1]]

@@ -4,6 +4,7 @@ imported torchtitan, the dataset read offline, EFA, and the weights download (`f
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -14,7 +15,7 @@ import pytest
 from qwentitan.launch.base import neuron_sdk
 from qwentitan.launch.launcher.cli import main
 from qwentitan.launch.launcher.plan import RunRequest, resolve_plan
-from qwentitan.launch.launcher.preflight.dataset import check_dataset
+from qwentitan.launch.launcher.preflight.dataset import check_dataset, tokens
 from qwentitan.launch.launcher.preflight.efa import check_efa, efa_devices, fi_info_endpoints
 from qwentitan.launch.launcher.preflight.neuron_stack import check_neuron_stack, installed_version
 from qwentitan.launch.launcher.preflight.weights import check_weights
@@ -201,6 +202,21 @@ def test_every_trn2_recipe_reads_its_dataset_on_the_host_offline(recipe):
     result = check_dataset(plan)
     assert result.status == "pass", result.detail
     assert result.figures["first_batch"][-1] == plan.seq_len
+
+
+def test_a_tiny_run_reads_its_tokens_in_a_unit_that_shows_them():
+    """Issue 56: 3 steps of a tiny run read 3,072 tokens, not "0.0M"."""
+    plan = resolve_plan(RunRequest(recipe="tiny_dense", instance="cpu", ranks_per_node=2, steps=3))
+    result = check_dataset(plan)
+    assert result.status == "pass" and "the run reads 3,072 tokens (3 steps x 8 x 128), " in (
+        result.detail
+    ), result.detail
+    assert re.search(r"\(3 steps x 8 x 128\), 0\.\d\d% of it$", result.detail), result.detail
+    assert [tokens(n) for n in (999, 1_600_000, 2_140_000_000)] == [
+        "999 tokens",
+        "1.6M tokens",
+        "2.1B tokens",
+    ]
 
 
 @pytest.mark.parametrize("dataset", ["c4_test", "allenai/c4"])

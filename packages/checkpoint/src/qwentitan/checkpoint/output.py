@@ -67,8 +67,8 @@ def check_destination(src: Path, dst: Path, overwrite: bool, *, kind: str, needs
     if dst.exists() or dst.is_symlink():
         if not overwrite:
             raise CheckpointError(
-                f"destination {dst} already exists; pass --overwrite (overwrite=True) to replace "
-                "it or choose another path."
+                f"destination {dst} already exists; pass --overwrite to replace it, or choose "
+                "another path."
             )
         _check_replaceable(dst, kind)
     folder = dst.parent

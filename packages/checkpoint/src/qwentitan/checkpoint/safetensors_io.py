@@ -338,8 +338,9 @@ class ShardedWriter:
         if list(groups) != [SINGLE]:
             # Like save_pretrained, a single model.safetensors has no index: torchtitan's
             # adapter reads shard numbers out of index file names and fails on one without.
-            params = sum(math.prod(shape) for _, _, shape in tensors)
-            metadata = {"total_size": total, "total_parameters": params}
+            # save_pretrained's metadata: bytes of the tensors and the parameters they hold
+            parameters = sum(math.prod(shape) for _, _, shape in tensors)
+            metadata = {"total_parameters": parameters, "total_size": total}
             index = {"metadata": metadata, "weight_map": weight_map}
             (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

@@ -11,7 +11,9 @@ the line names the signal instead of pointing at the rank's message). torchrun's
 (exitcode: N) ...") is dropped, since this one replaces it. A SIGTERM to the agent itself (SLURM
 signalling every process, or the launcher dying: its PR_SET_PDEATHSIG) makes torchrun pass it
 to the ranks, which checkpoint, and then raise `SignalException`: that too ends in one line
-(exit code 128 + the signal) instead of its traceback. `$QWENTITAN_RDZV_ID`, when set, is the
+(exit code 128 + the signal) instead of its traceback. The ranks' lines it shows (torchrun's
+`--tee`) pass `runtime.console.ConsoleFilter` unless `--verbose`; torchrun's `--log-dir` keeps
+them all. `$QWENTITAN_RDZV_ID`, when set, is the
 rendezvous id instead of the plan's (the sbatch script sets its job's: two jobs never share one).
 """
 
@@ -44,7 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     from qwentitan.launch.base.env_defaults import RDZV_ID, shell
+    from qwentitan.launch.runtime import console
 
+    if not console.verbose():  # before `run`: torchrun's tails write to these streams
+        sys.stdout = console.ConsoleFilter(sys.stdout)
+        sys.stderr = console.ConsoleFilter(sys.stderr)
     for name, start in _REPLACED:
         logging.getLogger(name).addFilter(_Replaced(start))
     args = parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["FORMAT", "LaunchPlan"]
 
 FORMAT = "qwentitan-plan/1"
+# RUN_DIR/logs: torchrun's whole output of every rank (`--log-dir`), whatever the console shows.
+LOGS_FOLDER = "logs"
 # Derived facts a pickled plan keeps (the plan's child process hands the plan to `train`, which
 # must not import torch to read them); the config and the torch objects stay behind.
 _PLAIN_FACTS = ("console_rank", "run_folder", "checkpoints", "summary_file")
@@ -202,7 +204,9 @@ class LaunchPlan:
             # c10d assigns ranks in join order (torchrun ignores --node-rank with it); the id
             # keeps two jobs on one endpoint apart.
             args.append(f"--rdzv-id=qwentitan-{self.recipe}")
+        # every rank's whole output in the run folder; the console rank's also on the console
         args += [f"--local-ranks-filter={self.console_rank}", "--role=rank", "--tee=3"]
+        args.append(f"--log-dir={self.run_folder / LOGS_FOLDER}")
         return [*args, "-m", TRAIN_ENTRY, *self.trainer_args()]
 
     def launch_argv(self) -> list[str]:

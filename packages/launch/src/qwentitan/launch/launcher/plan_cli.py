@@ -262,9 +262,31 @@ def plan_from_args(args: argparse.Namespace, **changes: Any) -> LaunchPlan:
             )
         return load_plan(args.plan, **changes)
     if not getattr(args, "recipe", None):
-        raise LaunchError("Name the run: pass {recipe} NAME (or --plan FILE).", field="recipe")
+        raise LaunchError(
+            f"Name the run: pass {{recipe}} NAME (or --plan FILE); NAME is one of "
+            f"{', '.join(_recipes_for(getattr(args, 'instance', None)))}.",
+            field="recipe",
+        )
     changes = {k: v for k, v in changes.items() if v is not None}  # unset: the request's default
     return resolve_plan(request_from_args(args, **changes))
+
+
+def _measured(plan: LaunchPlan) -> str:
+    """What a step line's memory measures on the plan's device."""
+    from qwentitan.launch.runtime.platforms import MEMORY_MEASURED
+
+    device = plan.topology.device_type
+    return MEMORY_MEASURED.get(device, MEMORY_MEASURED["neuron"])
+
+
+def _recipes_for(instance: str | None) -> list[str]:
+    """The recipes written for `instance` (all of them when none is named)."""
+    from qwentitan.launch.recipes import recipe_info
+
+    every = recipe_names()
+    if instance is None:
+        return every
+    return [name for name in every if recipe_info(name).instance == instance] or every
 
 
 def describe(plan: LaunchPlan) -> str:
@@ -297,9 +319,10 @@ def describe(plan: LaunchPlan) -> str:
             if plan.compile_backend
             else []
         ),
-        f"memory/rank   {m['total_gib']:.2f} GiB of {m['available_gib']:.2f} GiB "
-        f"(state {m['sharded_state_gib']:.2f}, gathered {m['unsharded_transient_gib']:.2f}, "
-        f"activations {m['activations_gib']:.2f}, logits {m['logits_gib']:.2f})",
+        f"memory/rank   {m['total_gib']:.2f} GiB of {m['available_gib']:.2f} GiB, estimated: "
+        f"model and optimizer state {m['sharded_state_gib']:.2f}, gathered weights "
+        f"{m['unsharded_transient_gib']:.2f}, activations {m['activations_gib']:.2f}, logits "
+        f"{m['logits_gib']:.2f} (a step line's memory: {_measured(plan)})",
     ]
     lines += [
         f"env           {k}={v}  ({plan.env_sources.get(k, 'plan')})" for k, v in plan.env.items()

@@ -285,9 +285,16 @@ def render_sbatch(
     return "\n".join(lines)
 
 
-def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | None = None) -> Path:
+def write_sbatch(
+    plan: LaunchPlan,
+    path: str | Path,
+    options: SlurmOptions | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
     """Write the plan file (`<script>.plan.json`) and the script, each atomically (the script
-    executable), and make the log folder: slurmd opens the log before the script runs."""
+    executable), and make the log folder: slurmd opens the log before the script runs. An
+    existing script or plan file is replaced only with `overwrite` (a job may be queued on it)."""
     from qwentitan.checkpoint.files import atomic_file
 
     o = options or SlurmOptions()
@@ -295,6 +302,12 @@ def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | Non
     if path.is_dir():
         raise LaunchError(f"{path} is a folder; pass -o with a file name for the sbatch script.")
     plan_file = path.with_name(f"{path.stem}.plan.json").absolute()
+    existing = [p for p in (path, plan_file) if p.exists() or p.is_symlink()]
+    if existing and not overwrite:
+        raise LaunchError(
+            f"{existing[0]} already exists (a queued job may run it); pass --overwrite to "
+            "replace the script and its plan file, or -o another path."
+        )
     script = render_sbatch(plan, o, plan_file)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -308,3 +321,35 @@ def write_sbatch(plan: LaunchPlan, path: str | Path, options: SlurmOptions | Non
             f"Could not write {path} ({error.strerror or error}); pass -o with a writable path."
         ) from None
     return path
+
+
+def shared_folder_warnings(plan: LaunchPlan, mounts: str | None = None) -> list[str]:
+    """For a multi-node Neuron plan, one line each where this host's mount table (preflight's
+    `compile_cache` test) puts on a node-local disk what every node needs: the NEFF cache (each
+    node then compiles every graph again) or the Python the script runs (each node needs it
+    at the same path)."""
+    from qwentitan.launch.launcher.preflight.compile_cache import (
+        MOUNTS,
+        SHARED_FS,
+        check_compile_cache,
+        file_system,
+    )
+
+    if plan.topology.device_type != "neuron" or plan.nodes == 1:
+        return []
+    if mounts is None:
+        mounts = MOUNTS.read_text() if MOUNTS.is_file() else ""
+    warnings = []
+    cache = check_compile_cache(plan, mounts)
+    if cache.status == "warn":
+        warnings.append(f"{cache.detail[0].upper()}{cache.detail[1:]}.")
+    python = Path(sys.executable).absolute()
+    point, kind = file_system(python, mounts)
+    if kind not in SHARED_FS:
+        warnings.append(
+            f"The script runs {python}, on this host's {kind} at {point}, not a shared file "
+            f"system: each of the {plan.nodes} nodes needs that Python and its packages at the "
+            "same path; install the environment on a folder every node mounts and run slurm "
+            "with its Python."
+        )
+    return warnings

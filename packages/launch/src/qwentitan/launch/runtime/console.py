@@ -11,10 +11,19 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from typing import Any
 
 from qwentitan.launch.base import env_defaults
 
-__all__ = ["NOISE", "QUIET_LOGGERS", "quiet_console"]
+__all__ = [
+    "LOG_ONLY",
+    "NOISE",
+    "QUIET_LOGGERS",
+    "VERBOSE",
+    "ConsoleFilter",
+    "for_console",
+    "quiet_console",
+]
 
 # Starts of torchtitan 0.3.0 log lines (all on the root logger) that are dropped, and why.
 NOISE: dict[str, str] = {
@@ -103,3 +112,101 @@ def quiet_console() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     for message, category in _WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+
+
+# -- the console of `train` and `run`: lines written to the run's log only ---------------------
+#
+# torchrun writes every rank's whole output to RUN_DIR/logs (`--log-dir`); what the console shows
+# of the console rank (`--tee`) passes `ConsoleFilter` in the torchrun agent, and the plan block
+# passes `for_console` in the launcher. `--verbose` (this variable set) shows every line.
+VERBOSE = "QWENTITAN_VERBOSE"
+
+# Lines (searched, colour stripped) that stay in the log only, and why.
+LOG_ONLY: dict[str, str] = {
+    # the plan's own environment defaults (`plan` and `--verbose` list them; a shell's or a
+    # flag's setting still shows)
+    r"^env\s+\S+=\S*\s+\(plan\)$": "the plan's defaults: `qwentitan-launch plan` lists them",
+    # runtime/data: once per dataset a rank builds (training, then each validation)
+    r" - INFO - Preparing qwentitan-\S+ dataset from ": "the corpus is the recipe's",
+    # torchtitan's set-up, said by the plan block already (batch, checkpoint folder) or nothing
+    # to act on; the mesh, the model's size, a checkpoint loaded and the first step still show
+    r" - INFO - (torchtitan version: |Building (?!device mesh)\S+ \S+$|Structured logging -> |Successfully created meshes |"
+    r"CPU capacity: |Total parameter count: |Applied \S+ (activation checkpointing )?to the "
+    r"model|CPU memory usage for model: |Optimizer \S+ \(model_part|Loading tokenizer from |"
+    r"Checkpointing active\. |Trainer is initialized with |No checkpoint was provided|"
+    r"Process group destroyed)": "torchtitan's set-up and tear-down",
+    # torchtitan's garbage-collection and process-group bookkeeping
+    r" - INFO - \[GC\] ": "bookkeeping of torchtitan",
+    r" - INFO - Synchronizing and adjusting timeout": "bookkeeping of torchtitan",
+    # torch's DTensor redistribution under TP: a note for kernel authors, ~400 characters
+    r"_redistribute\.py.*suboptimal": "a note for torch's developers",
+    # any Python warning of torch, torchtitan or another library (DTensor on a CPU mesh, the
+    # FutureWarnings of selective activation checkpointing, the lr_scheduler's on a resume);
+    # the indented lines after it (its source line) go with it
+    r"^\S*[/\\](site|dist)-packages[/\\]\S+\.py:\d+: \w*Warning: ": "a library's own warning",
+}
+# After the rank said why it stops early ("Stopping after step N: ..."), torchtitan's lines for
+# the end of a finished run: the stop line says what happened (checkpoint saved, --resume).
+_AFTER_A_STOP = (
+    " - INFO - Saving a full checkpoint at last step",
+    " - INFO - Last step checkpoint completed",
+    " - INFO - Training completed",
+)
+_STOPPED = " - INFO - Stopping after step "
+_LOG_ONLY = re.compile("|".join(f"(?:{pattern})" for pattern in LOG_ONLY))
+_RANK_PREFIX = re.compile(r"^\[[a-z]*\d+\]:")  # torchrun's `[rank0]:` before each line
+
+
+def verbose() -> bool:
+    import os
+
+    return os.environ.get(VERBOSE, "") not in ("", "0")
+
+
+class ConsoleFilter:
+    """A text stream that passes on the lines `LOG_ONLY` does not name (whole lines only: a
+    partial one waits for its end). One per stream: a dropped warning takes the indented lines
+    after it along, and a rank's early stop the finished-run lines after it."""
+
+    def __init__(self, out: Any) -> None:  # any text stream
+        self.out = out
+        self._pending = ""
+        self._in_warning = False
+        self._stopped = False
+
+    def keep(self, line: str) -> bool:
+        plain = _RANK_PREFIX.sub("", _COLOUR.sub("", line.rstrip("\n")), count=1)
+        if self._in_warning and plain.startswith((" ", "\t")):
+            return False
+        self._in_warning = False
+        if _LOG_ONLY.search(plain):
+            self._in_warning = "Warning: " in plain
+            return False
+        if _STOPPED in plain:
+            self._stopped = True
+        return not (self._stopped and any(end in plain for end in _AFTER_A_STOP))
+
+    def write(self, text: str) -> int:
+        lines = (self._pending + text).split("\n")
+        self._pending = lines.pop()
+        kept = [line + "\n" for line in lines if self.keep(line)]
+        if kept:
+            self.out.write("".join(kept))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending and self.keep(self._pending):  # a part line flushed on purpose: say it
+            self.out.write(self._pending)
+        self._pending = ""
+        self.out.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, encoding, isatty, ...
+        return getattr(self.out, name)
+
+
+def for_console(text: str) -> str:
+    """`text` (the plan block, say) without the lines `LOG_ONLY` names, unless `--verbose`."""
+    if verbose():
+        return text
+    console = ConsoleFilter(None)
+    return "\n".join(line for line in text.split("\n") if console.keep(line))

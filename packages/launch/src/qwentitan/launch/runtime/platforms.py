@@ -38,6 +38,15 @@ __all__ = [
 PLATFORM_NAMES = ("cpu", "cuda", "neuron")
 
 
+# What a step line's `memory:` measures, by device type (`memory_stats`' peak reserved); the
+# plan's `memory/rank` says it next to its estimate.
+MEMORY_MEASURED = {
+    "cpu": "the rank's peak RSS, its whole process with torch itself",
+    "cuda": "the peak device memory the CUDA allocator reserved",
+    "neuron": "the peak HBM the Neuron runtime gave TorchNeuron's allocator",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryStats:
     """Memory of one rank, in bytes: what it holds now, its peak, and what the device has
@@ -138,6 +147,11 @@ class Platform:
         if self._device_module is not None:
             return self._device_module
         return getattr(torch, self.device_type)
+
+    @property
+    def memory_measured(self) -> str:
+        """What `memory:` of a step line is on this device (torchtitan's max reserved)."""
+        return MEMORY_MEASURED.get(self.device_type, MEMORY_MEASURED["neuron"])
 
     def memory_stats(self) -> MemoryStats:
         """This process's memory: RSS on CPU, allocator statistics on an accelerator (on Neuron,

@@ -243,7 +243,8 @@ class Trainer(torchtitan_trainer.Trainer):
             return super().train_step(data_iterator)
         # The longest silence of a run otherwise: the first step builds and compiles everything.
         logger.info(
-            f"Step {self.step} is the first: it compiles and warms up, so it takes longest."
+            f"Step {self.step} is the first: it compiles and warms up, so it takes longest. "
+            f"A step line's memory is {self.platform.memory_measured}."
         )
         start = time.perf_counter()
         super().train_step(data_iterator)
@@ -291,10 +292,20 @@ class Trainer(torchtitan_trainer.Trainer):
         if reason is None:
             return True
         interval_saved = self.step % self.config.checkpoint.interval == 0
-        if self.config.checkpoint.enable and not interval_saved:
+        # Said before the save, whose lines (torchtitan's "at last step") the console then
+        # leaves out (runtime.console): this is a stop, not the end of the run.
+        saving = self.config.checkpoint.enable and not interval_saved
+        logger.info(
+            f"Stopping after step {self.step}: {reason}"
+            + (
+                "; saving a checkpoint to resume from."
+                if saving and "checkpoint" not in reason
+                else "."
+            )
+        )
+        if saving:
             self.checkpointer.save_full(self.step)  # not the end: a later run resumes from it
             self._take_save_times()
-        logger.info(f"Stopping after step {self.step}: {reason}.")
         self._report_stop(reason)
         return False
 

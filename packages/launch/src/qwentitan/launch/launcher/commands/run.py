@@ -6,6 +6,7 @@ import argparse
 import re
 
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.launcher.commands.train import add_verbose_flag, set_verbose
 from qwentitan.launch.launcher.plan_cli import (
     SHARED,
     add_request_flags,
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "from --recipe and the flags",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    add_verbose_flag(parser)
 
 
 # What torchrun's c10d rendezvous takes: a host name, an IPv4 address or a bracketed IPv6 one,
@@ -52,6 +54,7 @@ def check_endpoint(endpoint: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    set_verbose(args)
     if args.rdzv_endpoint is not None:
         check_endpoint(args.rdzv_endpoint)
     plan = plan_from_args(args, rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)

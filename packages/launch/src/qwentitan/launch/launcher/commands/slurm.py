@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from qwentitan.launch.base.errors import LaunchError
 from qwentitan.launch.launcher.flags import MAX_SIGNAL_SECONDS, port, whole_number
@@ -12,6 +13,7 @@ from qwentitan.launch.launcher.slurm import (
     LOG_FILE_OVERRIDES,
     PORT_SPAN,
     SlurmOptions,
+    shared_folder_warnings,
     write_sbatch,
 )
 
@@ -33,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--output", "-o", default=None, help="script path (default <recipe>.sbatch)"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing script and its plan file (refused without it)",
     )
     parser.add_argument("--partition", help="SLURM partition")
     parser.add_argument("--time", help="SLURM time limit, e.g. 04:00:00")
@@ -73,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         grace_seconds=args.grace_seconds,
     )
-    path = write_sbatch(plan, args.output or f"{plan.recipe}.sbatch", options)
+    path = write_sbatch(
+        plan, args.output or f"{plan.recipe}.sbatch", options, overwrite=args.overwrite
+    )
+    for warning in shared_folder_warnings(plan):
+        print(f"qwentitan-launch slurm: warning: {warning}", file=sys.stderr)
     print(
         f"wrote {path} and its plan {path.with_name(path.stem + '.plan.json')}: {plan.nodes} "
         f"nodes x {plan.ranks_per_node} ranks; submit with sbatch {path}"

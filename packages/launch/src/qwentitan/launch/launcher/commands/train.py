@@ -49,13 +49,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "nodes": "1: train runs on this machine (`run` starts each node of several)",
         },
     )
+    add_verbose_flag(parser)
+
+
+def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
+    """`--verbose` of `train` and `run`: every line of the ranks (see `runtime.console`)."""
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every line of the ranks (warnings, torchtitan's set-up); without it they "
+        "are in RUN_DIR/logs only",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.launcher import child
 
+    set_verbose(args)
     plan, said = child.in_child(prepare, args)
     return train_plan(plan, said)
+
+
+def set_verbose(args: argparse.Namespace) -> None:
+    """`--verbose` for this process (the plan block) and its torchrun agent (the ranks' lines)."""
+    import os
+
+    from qwentitan.launch.runtime.console import VERBOSE
+
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE] = "1"
 
 
 def prepare(args: argparse.Namespace) -> tuple[LaunchPlan, list[str]]:
@@ -96,16 +118,22 @@ def train_plan(
     """Start the plan's ranks under `supervise` (default: `supervisor.supervise`), its run
     folder held; then the summary block. Reads only the plan's plain facts: no torch here."""
     from qwentitan.launch.launcher import supervisor
+    from qwentitan.launch.launcher.launch_plan import LOGS_FOLDER
     from qwentitan.launch.launcher.run_folder import hold_run_folder
+    from qwentitan.launch.runtime.console import for_console
     from qwentitan.launch.tracking.store import end_abandoned_runs
 
+    logs = plan.run_folder / LOGS_FOLDER
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "plan.txt").write_text("".join(f"{line}\n" for line in said), encoding="utf-8")
     for line in said:
-        print(line, flush=True)
+        print(for_console(line), flush=True)
     # A start of this folder killed with SIGKILL left its MLflow run RUNNING; end it first.
     ended = end_abandoned_runs(plan.run_folder)
     print(
         "qwentitan-launch train: starting the ranks; each loads torch and torchtitan and builds "
-        "the model before its first line.",
+        f"the model before its first line (every line of every rank: {logs}; --verbose shows "
+        "them here).",
         flush=True,
     )
     started = time.time()

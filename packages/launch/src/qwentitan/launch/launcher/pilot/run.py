@@ -33,6 +33,7 @@ from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.launcher.plan import resolve_plan
 from qwentitan.launch.launcher.plan_cli import LAYOUT
 from qwentitan.launch.launcher.request import RunRequest
+from qwentitan.launch.launcher.run_folder import new_run_folder, point_latest
 from qwentitan.launch.launcher.supervisor import SignalForwarder, ranks_of
 from qwentitan.launch.tracking.links import compare_url, loss_url, runs_url
 from qwentitan.launch.tracking.logger import resolve_tracking_uri
@@ -95,7 +96,9 @@ def run_pilot(
             local_batch_size=request.local_batch_size or MESH_LOCAL_BATCH,
         )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = Path(request.run_dir or Path("outputs") / "pilot" / stamp).absolute()
+    # without --run-dir a new folder under outputs/pilot, which `latest` then names, as train's
+    new = request.run_dir is None
+    folder = Path(request.run_dir or new_run_folder(Path("outputs") / "pilot")).absolute()
     children = {
         child: request.replace(recipe=recipe, run_dir=str(folder / child), **_placed(layout))
         for pair in chosen
@@ -104,7 +107,10 @@ def run_pilot(
     for child in children.values():
         resolve_plan(child)  # every child's plan is checked before anything is written
     uri = resolve_tracking_uri(tracking_uri)
-    folder.mkdir(parents=True, exist_ok=True)
+    if new:
+        point_latest(folder)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
     target = MlflowTarget(uri)
     parent = _open_parent(target, experiment, stamp, request, chosen, seed, lr, perturb)
     try:

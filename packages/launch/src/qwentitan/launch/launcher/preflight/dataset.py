@@ -95,8 +95,21 @@ def check_dataset(plan: LaunchPlan) -> CheckResult:
         "dataset",
         "pass",
         f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB on this host; {read}; the "
-        f"run reads {needed / 1e6:.1f}M tokens ({plan.steps} steps x {plan.global_batch} x "
-        f"{plan.seq_len}), about {passes:.1f} passes over it"
+        f"run reads {tokens(needed)} ({plan.steps} steps x {plan.global_batch} x "
+        f"{plan.seq_len}), {_share(passes)}"
         + ("; for a run this long put more text on the host" if passes > REPEATS_NOTED else ""),
         figures,
     )
+
+
+def tokens(count: int) -> str:
+    """`count` tokens in a unit that shows it (3,072 tokens, 1.6M tokens, 2.1B tokens)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M")):
+        if count >= scale:
+            return f"{count / scale:.1f}{unit} tokens"
+    return f"{count:,} tokens"
+
+
+def _share(passes: float) -> str:
+    """How much of the data the run reads: passes over it, or a percentage under a tenth."""
+    return f"about {passes:.1f} passes over it" if passes >= 0.1 else f"{passes:.2%} of it"

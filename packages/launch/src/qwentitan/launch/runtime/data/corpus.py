@@ -16,6 +16,7 @@ import json
 import random
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,5 +93,16 @@ def offline_corpus(cache: Path | None = None) -> Path:
     python = ".".join(map(str, sys.version_info[:3]))
     folder = (cache or cache_root()) / f"corpus-v{_VERSION}-py{python}"
     if not (folder / CORPUS_FILE).exists():
+        started = time.perf_counter()
         build_corpus(folder)
+        said_once(f"built the offline corpus once into {folder}", started)
     return folder / CORPUS_FILE
+
+
+def said_once(done: str, started: float) -> None:
+    """One line on stderr for a cache built on the first run (`train` would otherwise be
+    silent for those seconds): what was built, where, how long it took. The process's own
+    stderr: the recipe's config, which builds the tokenizer, is loaded with sys.stderr caught."""
+    seconds = time.perf_counter() - started
+    out = sys.__stderr__ or sys.stderr
+    print(f"qwentitan: {done} in {seconds:.1f} s; later runs reuse it.", file=out, flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from importlib.resources import files
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tokenizers.models import BPE
 from qwentitan.checkpoint.files import atomic_folder
 from qwentitan.launch.base.env_defaults import cache_root
 from qwentitan.launch.base.errors import LaunchError
+from qwentitan.launch.runtime.data.corpus import said_once
 
 __all__ = [
     "QWEN3_PADDED_VOCAB",
@@ -193,7 +195,9 @@ def qwen_tokenizer_folder(cache: Path | None = None) -> Path:
     """The cached Qwen3 tokenizer folder (an `hf_assets_path`), built on first use."""
     folder = (cache or cache_root()) / f"qwen3-tokenizer-v{_VERSION}"
     if not (folder / "tokenizer.json").exists():
+        started = time.perf_counter()
         build_qwen_tokenizer(folder)
+        said_once(f"built the Qwen3 tokenizer once into {folder}", started)
     return folder
 
 
