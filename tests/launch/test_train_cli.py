@@ -227,12 +227,14 @@ def test_a_run_dir_that_is_a_file_or_read_only_is_one_sentence(capsys, launched,
 
 
 def test_a_latest_link_that_loops_is_one_sentence(capsys, launched, tmp_path, monkeypatch):
+    """--resume looks for the newest run that saved a checkpoint, not at `latest`: a `latest`
+    that loops leaves the one sentence that there is none."""
     monkeypatch.chdir(tmp_path)
     latest = tmp_path / "outputs" / "tiny_dense" / "latest"
     latest.parent.mkdir(parents=True)
     latest.symlink_to("latest")
     message = refused(capsys, "--resume")
-    assert message.startswith("outputs/tiny_dense/latest is a symbolic link that never reaches")
+    assert message.startswith("There is no run of tiny_dense with a checkpoint to resume in ")
     assert not launched
 
 

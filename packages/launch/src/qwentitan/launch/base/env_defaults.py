@@ -185,3 +185,19 @@ def local_rank() -> int:
 def hub_offline_set() -> bool:
     """Whether `$HF_HUB_OFFLINE` asks huggingface_hub to stay off the network."""
     return (_value("HF_HUB_OFFLINE") or "").lower() in ("1", "true", "yes", "on")
+
+
+def verbose() -> bool:
+    """`--verbose` of `train` / `run`, which sets QWENTITAN_VERBOSE for the command and its
+    torchrun agent: every line of the ranks on the console."""
+    return (_value("QWENTITAN_VERBOSE") or "0") != "0"
+
+
+def s3_endpoint() -> str | None:
+    """The S3 endpoint the AWS SDKs use (`AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL`)."""
+    return _value("AWS_ENDPOINT_URL_S3") or _value("AWS_ENDPOINT_URL")
+
+
+def lock_dir() -> str | None:
+    """Where the host-wide locks of remote run folders live (`QWENTITAN_LOCK_DIR`)."""
+    return _value("QWENTITAN_LOCK_DIR")

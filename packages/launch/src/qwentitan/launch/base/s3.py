@@ -8,7 +8,7 @@ botocore makes one attempt per s3fs retry, so a request that gets no answer fail
 
 from __future__ import annotations
 
-import os
+from qwentitan.launch.base import env_defaults
 
 __all__ = [
     "CLIENT_CONFIG",
@@ -75,6 +75,6 @@ def failure(url: str, error: BaseException) -> str | None:
 
 def no_answer(error: BaseException) -> str:
     """`S3 at ENDPOINT did not answer within N s (ErrorName)`."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = env_defaults.s3_endpoint()
     where = f"S3 at {endpoint}" if endpoint else "S3"
     return f"{where} did not answer within {DEADLINE_S} s ({type(error).__name__})"

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from qwentitan.launch.base import env_defaults
 from qwentitan.launch.base.errors import LaunchError
 
 __all__ = [
@@ -92,8 +93,8 @@ def local_folder(url: str, base: str | Path = "outputs") -> Path:
 def lock_file(url: str) -> Path:
     """The one lock of the remote run folder `url` on this host, whatever the working folder:
     named by a hash of the endpoint and the canonical URL (another endpoint, another bucket)."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-    folder = Path(os.environ.get(LOCK_DIR) or Path(tempfile.gettempdir(), "qwentitan-run-locks"))
+    endpoint = env_defaults.s3_endpoint() or ""
+    folder = Path(env_defaults.lock_dir() or Path(tempfile.gettempdir(), "qwentitan-run-locks"))
     if not folder.is_dir():
         folder.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):  # every user's runs lock here (sticky, as /tmp)

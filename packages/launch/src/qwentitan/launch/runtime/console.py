@@ -158,9 +158,7 @@ _RANK_PREFIX = re.compile(r"^\[[a-z]*\d+\]:")  # torchrun's `[rank0]:` before ea
 
 
 def verbose() -> bool:
-    import os
-
-    return os.environ.get(VERBOSE, "") not in ("", "0")
+    return env_defaults.verbose()
 
 
 class ConsoleFilter:

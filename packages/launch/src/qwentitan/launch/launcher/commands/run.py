@@ -6,7 +6,7 @@ import argparse
 import re
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.commands.train import add_verbose_flag, set_verbose
+from qwentitan.launch.launcher.commands.train import add_verbose_flag, verbose_for
 from qwentitan.launch.launcher.plan_cli import (
     SHARED,
     add_request_flags,
@@ -54,7 +54,11 @@ def check_endpoint(endpoint: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    set_verbose(args)
+    with verbose_for(args):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.rdzv_endpoint is not None:
         check_endpoint(args.rdzv_endpoint)
     plan = plan_from_args(args, rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)

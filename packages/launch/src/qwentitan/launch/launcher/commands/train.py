@@ -18,6 +18,7 @@ plans and trains each of its children here in its own process (`plan_training`, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -65,19 +66,18 @@ def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from qwentitan.launch.launcher import child
 
-    set_verbose(args)
-    plan, said = child.in_child(prepare, args)
-    return train_plan(plan, said)
+    with verbose_for(args):
+        plan, said = child.in_child(prepare, args)
+        return train_plan(plan, said)
 
 
-def set_verbose(args: argparse.Namespace) -> None:
-    """`--verbose` for this process (the plan block) and its torchrun agent (the ranks' lines)."""
-    import os
-
+def verbose_for(args: argparse.Namespace) -> contextlib.AbstractContextManager[None]:
+    """`--verbose` for the command (the plan block) and its torchrun agent (the ranks' lines),
+    which read it as QWENTITAN_VERBOSE: set for the command's block, restored after."""
+    from qwentitan.launch.base import scoped_env
     from qwentitan.launch.runtime.console import VERBOSE
 
-    if getattr(args, "verbose", False):
-        os.environ[VERBOSE] = "1"
+    return scoped_env.lacking_set({VERBOSE: "1"} if getattr(args, "verbose", False) else {})
 
 
 def prepare(args: argparse.Namespace) -> tuple[LaunchPlan, list[str]]:
