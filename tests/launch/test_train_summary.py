@@ -240,7 +240,7 @@ _KEPT = (
     "[rank0]:[titan] 2026-12-07 01:48:03,509 - root - INFO - Training completed",
     "[rank0]:Traceback (most recent call last):",
     '[rank0]:  File "x.py", line 1, in <module>',  # indented, but no warning's
-    "[rank0]:/work/qwentitan/src/mine.py:3: UserWarning: our own warning",
+    "[rank0]:/home/user/qwentitan/src/mine.py:3: UserWarning: our own warning",
 )
 _STOP = (
     "[rank0]:[titan] 2026-12-07 01:51:13,152 - root - INFO - Stopping after step 2: --stop-by "
