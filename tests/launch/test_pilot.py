@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,6 @@ import torch
 from mlflow import MlflowClient
 
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.base.target import cpu_cores
 from qwentitan.launch.launcher.pilot import (
     PAIRS,
     compare,
@@ -265,7 +265,8 @@ def test_a_child_plan_that_cannot_run_is_refused_before_anything_is_written(tmp_
     err = capsys.readouterr().err
     # the children's plans are resolved first: 9999 CPU ranks leave each too little memory
     assert err.startswith("qwentitan-launch pilot: Recipe 'tiny_hf' needs about")
-    assert err.endswith(f"pass --ranks {cpu_cores()} or fewer.\n") and err.count("\n") == 1
+    # as many ranks as the host's memory holds, each with its process (launcher/memory.py)
+    assert re.search(r"; pass --ranks \d+ or fewer\.\n$", err) and err.count("\n") == 1
     assert os.listdir(tmp_path) == []
 
 
