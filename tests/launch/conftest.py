@@ -206,3 +206,29 @@ def guarded_manager(base_folder: Path, state: dict, **settings):
         sd_adapter=None,
         base_folder=str(base_folder),
     )
+
+
+@pytest.fixture
+def no_hang():
+    """A regression fails in 60 s instead of blocking the suite (a FIFO's open waits for a
+    writer for ever): SIGALRM interrupts the blocked call with an exception."""
+    import signal
+
+    def hung(signum, frame):
+        raise TimeoutError("blocked on a file that is not a file")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """The bundled Qwen3 tokenizer, as the data loaders' tests build their windows with it."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from qwentitan.launch.runtime.data import qwen_tokenizer_folder
+
+    return HuggingFaceTokenizer(tokenizer_path=str(qwen_tokenizer_folder()))

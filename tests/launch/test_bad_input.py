@@ -223,21 +223,6 @@ def test_an_empty_or_unreadable_dataset_file(capsys, in_tmp):
     )
 
 
-@pytest.fixture
-def no_hang():
-    """A regression fails here in 60 s instead of blocking the suite (a FIFO's open waits for a
-    writer for ever): SIGALRM interrupts the blocked call with an exception."""
-
-    def hung(signum, frame):
-        raise TimeoutError("blocked on a file that is not a file")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
 def test_dataset_files_that_are_not_files_are_refused_not_read(capsys, in_tmp, no_hang):
     damaged(in_tmp, "a.jsonl", GOOD.encode() * 3)
     fifo = in_tmp / "data" / "b.jsonl"
@@ -616,7 +601,6 @@ def test_an_override_that_imports_code_is_refused(capsys, in_tmp, monkeypatch, c
 def test_a_signal_while_the_launcher_checks_is_one_line(capsys, in_tmp, monkeypatch, command, sig):
     """Before any rank runs: the launcher's own start-up (plan, checks) ends in one line, exit
     128 + the signal, and the next signal is the shell's own again."""
-    import signal
     import time
 
     from qwentitan.launch.launcher import start, supervisor

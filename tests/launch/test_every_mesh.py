@@ -10,16 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from qwentitan.launch.runtime.data import TextDataLoader, qwen_tokenizer_folder
+from qwentitan.launch.runtime.data import TextDataLoader
 
 GLOBAL_BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    return HuggingFaceTokenizer(tokenizer_path=str(qwen_tokenizer_folder()))
 
 
 @pytest.fixture(scope="module")

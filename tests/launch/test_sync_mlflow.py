@@ -4,7 +4,6 @@ damaged spool is replayed around its damaged lines, reported, and never leaves a
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 from pathlib import Path
@@ -246,21 +245,6 @@ def test_a_line_python_cannot_read_or_too_long_is_damaged_not_a_traceback(
     assert "Traceback" not in out + err
     assert ours(err).startswith("qwentitan-launch sync-mlflow: skipped damaged spool line(s) 3, 4 ")
     assert "1 metric points added" in out
-
-
-@pytest.fixture
-def no_hang():
-    """A regression fails here in 60 s instead of blocking the suite (a FIFO's open waits for a
-    writer for ever): SIGALRM interrupts the blocked call with an exception."""
-
-    def hung(signum, frame):
-        raise TimeoutError("blocked on a file that is not a file")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_fifo_or_device_in_the_spool_folder_is_one_sentence(tmp_path, capsys, no_hang):

@@ -8,17 +8,11 @@ import re
 
 import pytest
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from qwentitan.launch.runtime.data import TextDataLoader, qwen_tokenizer_folder
+from qwentitan.launch.runtime.data import TextDataLoader
 
 _VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    return HuggingFaceTokenizer(tokenizer_path=str(qwen_tokenizer_folder()))
 
 
 @pytest.fixture(scope="module")
