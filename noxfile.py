@@ -245,7 +245,8 @@ def train(session: nox.Session) -> None:
 @nox.session(**SHARED)
 def pilot(session: nox.Session) -> None:
     """hf vs native and native-moe vs moe-kernels, each pair from one seeded checkpoint, as child
-    runs of one MLflow parent; fails when a pair's loss curves differ beyond their limit.
+    runs of one MLflow parent; fails when a pair's training or validation loss curves differ
+    beyond their limit.
 
     Logs to ./mlflow.db (or $MLFLOW_TRACKING_URI); `-- --steps 20 --ranks 2` sets the size,
     `-- --help` lists the rest. Then `uv run nox -s mlflow_ui` and open the URLs it printed.

@@ -64,7 +64,8 @@ def main() -> None:
     median = {name: statistics.median(r) for name, r in rates.items()}
     print(f"--hf-every cost, median of {args.rounds} alternating round(s) ({' '.join(RUN)})")
     for name, rate in median.items():
-        print(f"  {name:<18} {rate:6.3f} steps/s (steps 2 -> 8)")
+        each = ", ".join(f"{r:.3f}" for r in rates[name])
+        print(f"  {name:<18} {rate:6.3f} steps/s (steps 2 -> 8; each round: {each})")
     ratio = median["with --hf-every 2"] / median["without"]
     print(f"steps/s with / without --hf-every: {ratio:.2f}x (goal: within the noise of 1)")
     sys.stdout.flush()

@@ -134,9 +134,11 @@ def test_the_dense_paths_agree_and_the_ui_opens_on_them(tmp_path, mlflow_ui):
     # Every path trains and logs, before anything here may skip for want of a browser.
     assert pilot.failed == [], pilot.failed
     assert set(pilot.children) == CHILDREN
-    (dense,) = pilot.pairs
+    dense, validated = pilot.pairs  # the training loss, and the validation loss beside it
     assert set(dense.diffs) == set(range(1, PILOT["steps"] + 1))
     assert dense.passed and dense.max_diff <= dense.pair.limit, dense.verdict()
+    assert validated.metric == "validation/loss" and set(validated.diffs) == {1}  # freq 10
+    assert validated.passed, validated.verdict()
     assert pilot.passed
     client = MlflowClient(mlflow_ui)
     hf = client.get_run(pilot.children["hf"])
@@ -154,6 +156,7 @@ def test_the_dense_paths_agree_and_the_ui_opens_on_them(tmp_path, mlflow_ui):
     history = client.get_metric_history(parent.info.run_id, "pair/dense/abs_loss_diff")
     assert sorted(m.step for m in history) == list(range(1, PILOT["steps"] + 1))
     assert parent.data.metrics["pair/dense/max_abs_loss_diff"] == max(m.value for m in history)
+    assert parent.data.tags["pair/dense/validation/result"] == "passed"
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == [
         "plots/pilot_losses.png"
     ]

@@ -90,15 +90,6 @@ def test_numeric_flags_out_of_range(capsys, in_tmp, argv, expected):
     assert os.listdir(in_tmp) == []  # no plan, script, run folder or checkpoint
 
 
-def test_hf_exports_of_an_s3_run_are_refused_in_one_sentence(capsys, in_tmp):
-    argv = ["plan", "--recipe", "tiny_dense", "--hf-every", "2", "--run-dir", "s3://b/r"]
-    assert refusal(capsys, argv) == (
-        "--hf-every exports runs in a local folder only, not yet on S3; drop --hf-every and "
-        "export a step later with `qwentitan-ckpt to-hf` after copying it down."
-    )
-    assert os.listdir(in_tmp) == []
-
-
 def test_the_range_names_a_value_that_works(capsys, in_tmp):
     message = refusal(capsys, ["slurm", "--recipe", "tiny_dense", "--port", "70000"])
     assert message == "argument --port: 70000 is out of range; pass a whole number from 1 to 65535."

@@ -246,7 +246,8 @@ def test_torchtitans_pipeline_hint_is_dropped_since_the_console_shows_the_last_s
 # The mesh pilot's short version (CI): 3 steps of 8 windows of 64 tokens. Its pairs cover FSDP x
 # TP (4 ranks) against 1 rank, EP on the kernel experts against tiny_moe's FSDP 2, and tiny_moe
 # under FSDP 2 x TP 2 (the trn2 MoE recipe's mesh in small) against that same FSDP 2; a third,
-# TP 2 from the next seed (`--perturb`), must fail: the pilot can fail. (The
+# TP 2 from the next seed (`--perturb`), must fail: the pilot can fail. Each pair is judged on
+# its training loss and on its validation loss (at step 1, the one validation of 3 steps). (The
 # paths pilot's dense pair trains in tests/integration/test_mlflow_ui.py; its perturbed
 # checkpoint and the mesh pilot's failure sentence are tests/launch/test_pilot.py's.)
 CI_PAIRS = ("tiny_dense.fsdp2-tp2", "tiny_moe_kernels.ep2", "tiny_moe.fsdp2-tp2")
@@ -267,16 +268,19 @@ def test_every_layout_trains_one_curve_and_a_perturbed_one_fails_in_the_mesh_pil
     argv = [*pairs, "--perturb", PERTURBED, "--steps", str(CI_STEPS), "--seq-len", "64",
             "--run-dir", str(tmp_path / "pilot"), "--tracking-uri", uri]  # fmt: skip
     assert pilot_main(argv) == 1  # the perturbed pair failed, and so the pilot
-    verdicts = {
-        line.split()[1]: line
+    verdicts = {  # (layout, curve) -> its verdict: training loss, validation loss (step 1)
+        (line.split()[1], "validation" if ") validation loss: " in line else "loss"): line
         for line in capsys.readouterr().out.splitlines()
         if line.startswith("pilot: tiny_") and " layout (" in line
     }
-    assert set(verdicts) == {*CI_PAIRS, PERTURBED}
+    assert set(verdicts) == {(n, c) for n in (*CI_PAIRS, PERTURBED) for c in ("loss", "validation")}
     for name in CI_PAIRS:
-        assert ": passed, max |loss difference|" in verdicts[name], verdicts[name]
-    assert ": FAILED, |loss difference|" in verdicts[PERTURBED], verdicts[PERTURBED]
-    assert "exceeds the limit 1e-04" in verdicts[PERTURBED]
+        assert ": passed, max |loss difference|" in verdicts[name, "loss"]
+        said = verdicts[name, "validation"]
+        assert ": passed, max |validation loss difference|" in said and "over 1 step (" in said
+    for curve, words in (("loss", "loss"), ("validation", "validation loss")):
+        said = verdicts[PERTURBED, curve]
+        assert f": FAILED, |{words} difference|" in said and "exceeds the limit 1e-04" in said
     client = MlflowClient(uri)
     (parent,) = client.search_runs(
         [client.get_experiment_by_name("qwentitan-pilot").experiment_id],
@@ -288,6 +292,11 @@ def test_every_layout_trains_one_curve_and_a_perturbed_one_fails_in_the_mesh_pil
     for name in (*CI_PAIRS, PERTURBED):
         history = client.get_metric_history(parent.info.run_id, f"layout/{name}/abs_loss_diff")
         assert sorted(m.step for m in history) == list(range(1, CI_STEPS + 1)), name
+        key = f"layout/{name}/validation/abs_loss_diff"  # torchtitan validates at step 1
+        assert [m.step for m in client.get_metric_history(parent.info.run_id, key)] == [1], name
+        assert parent.data.tags[f"layout/{name}/validation/result"] == (
+            "failed" if name == PERTURBED else "passed"
+        )
     assert [a.path for a in client.list_artifacts(parent.info.run_id, "plots")] == [
         "plots/pilot_losses.png"
     ]

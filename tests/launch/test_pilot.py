@@ -31,6 +31,7 @@ from qwentitan.launch.launcher.pilot import (
     runs_url,
 )
 from qwentitan.launch.launcher.pilot.__main__ import main as pilot_main
+from qwentitan.launch.launcher.pilot.compare import VALIDATION
 from qwentitan.launch.launcher.pilot.mesh import MESH
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.launcher.pilot.run import pilot_request
@@ -78,6 +79,26 @@ def test_a_step_one_child_did_not_log_fails_the_pair():
     assert nothing.missing["native"] == [1, 2, 3, 4, 5] and not nothing.passed
 
 
+def test_validation_is_judged_at_the_steps_either_child_validated():
+    tp2 = MESH["tiny_dense.tp2"]
+    base, other = tp2.children
+    validated = {base: {1: 11.9, 10: 9.0, 20: 8.0}, other: {1: 11.9, 10: 9.0 + 3e-4, 20: 8.0}}
+    result = compare(tp2, validated, steps=20, metric=VALIDATION)
+    assert sorted(result.diffs) == [1, 10, 20] and result.first_over == 10 and not result.passed
+    assert result.key == "layout/tiny_dense.tp2/validation"
+    assert result.verdict().startswith(
+        "tiny_dense.tp2 layout (tiny_dense.1-rank vs tiny_dense.tp2) validation loss: FAILED, "
+        "|validation loss difference| 3.00e-04 at step 10 exceeds the limit 1e-04"
+    )
+    del validated[other][20]  # a child that stopped validating: a step it did not log
+    missing = compare(tp2, validated, steps=20, metric=VALIDATION)
+    assert missing.missing == {base: [], other: [20]} and not missing.passed
+    assert "tiny_dense.tp2 logged no validation loss for step(s) 20" in missing.verdict()
+    # neither child validated (validation off): nothing to judge, not a pass
+    assert compare(tp2, {base: {}, other: {}}, steps=20, metric=VALIDATION) is None
+    assert compare(tp2, validated, steps=5, metric=VALIDATION).diffs == {1: 0.0}
+
+
 def test_the_compare_url_is_the_uis_compare_runs_route():
     url = compare_url("sqlite:///mlflow.db", "7", ["a1", "b2"])
     assert url.startswith("http://127.0.0.1:5000/#/compare-runs?")
@@ -100,7 +121,11 @@ def test_the_compare_url_is_the_uis_compare_runs_route():
 
 def test_the_picture_is_a_png_written_whole(tmp_path):
     curves = _curves({3: 2e-6})
-    results = [compare(DENSE, curves, steps=5)]  # step 1 differs by exactly 0
+    validated = {
+        child: {1: c[1], 5: c[5] + 1e-5 * (child == "native")} for child, c in curves.items()
+    }
+    # step 1 differs by exactly 0; the validation difference is drawn dotted
+    results = [compare(DENSE, curves, steps=5), compare(DENSE, validated, 5, VALIDATION)]
     file = plot_losses(curves, results, tmp_path / "losses.png")
     assert file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["losses.png"]

@@ -235,12 +235,16 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     rank loads it) and trains the same windows in step 3's global batch (2 samples: 2 ranks x 1
     there, 1 rank x 2 microbatches here), so its loss is the two ranks' to float tolerance;
     `--stop-after 3` then saves into the bucket and ends the run before its last step. Logs and
-    reports stay in the run's local folder. (One rank from scratch against more ranks: the mesh
-    pilot in tests/launch/test_every_mesh.py.)"""
+    reports stay in the run's local folder. With `--hf-every 2` the resumed run exports the
+    step-2 checkpoint it found unexported and its own last one, step 3, into the bucket's
+    `hf/`: each a verified Hugging Face folder that transformers loads, with the checkpoint's
+    logits. (One rank from scratch against more ranks: the mesh pilot in
+    tests/launch/test_every_mesh.py.)"""
     from qwentitan.checkpoint import safe_reader_for
     from qwentitan.launch.launcher import remote
 
     from .conftest import BUCKET
+    from .test_train_summary import summary_rows
 
     root, reference = uninterrupted
     monkeypatch.chdir(tmp_path)  # the run's local folder: outputs/s3/BUCKET/one-rank
@@ -249,7 +253,9 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     assert s3.isfile(f"{BUCKET}/one-rank/checkpoint/step-2/.metadata")
     run_dir = f"s3://{BUCKET}/one-rank"
     pinned = ["--global-batch-size", "2"]
-    resumed = train(run_dir, "--ranks", "1", "--resume", "--stop-after", "3", *pinned)
+    resumed = train(
+        run_dir, "--ranks", "1", "--resume", "--stop-after", "3", "--hf-every", "2", *pinned
+    )
     assert "no free-space check for s3://" in resumed.launcher
     assert "dp_shard=1" in resumed.plain and "Training starts at step 3" in resumed.plain
     assert sorted(resumed.losses) == [3] and "Stopping after step 3" in resumed.plain
@@ -263,6 +269,14 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     local = remote.local_folder(run_dir)  # outputs/s3/BUCKET/one-rank-HASH, in tmp_path
     assert local.parent == tmp_path / "outputs" / "s3" / BUCKET
     assert (local / "reports" / "summary.json").is_file()
+    hf = f"{BUCKET}/one-rank/hf"
+    assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(hf)) == ["step-2", "step-3"]  # no leftover
+    assert f"Exported step 3 to {run_dir}/hf/step-3 (verified)." in resumed.plain
+    rows = summary_rows(resumed.launcher[resumed.launcher.rindex("Summary\n") :])
+    assert rows["HF export"] == f"{run_dir}/hf/step-3 (verified)"
+    s3.get(f"{hf}/step-3", str(tmp_path / "hf-step-3"), recursive=True)
+    s3.get(f"{BUCKET}/one-rank/checkpoint/step-3", str(tmp_path / "step-3"), recursive=True)
+    _loads_with_the_checkpoints_logits(tmp_path / "hf-step-3", tmp_path / "step-3")
 
 
 def test_each_checkpoint_exports_itself_to_a_verified_hugging_face_folder(uninterrupted):
@@ -271,9 +285,6 @@ def test_each_checkpoint_exports_itself_to_a_verified_hugging_face_folder(uninte
     logits on a fixed prompt equal torchtitan's Qwen3 loaded from the checkpoint. The checkpoint
     itself carries config and tokenizer, so it exports with no --config."""
     from mlflow import MlflowClient
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from qwentitan.checkpoint import verify
 
     from .test_train_summary import summary_rows
 
@@ -285,19 +296,29 @@ def test_each_checkpoint_exports_itself_to_a_verified_hugging_face_folder(uninte
         for name in ("config.json", "generation_config.json", "tokenizer.json"):
             assert (ckpt / name).is_file() and (hf / name).is_file(), name
         assert f"Exported step {step} to {hf.resolve()} (verified)." in run.plain
-        model = AutoModelForCausalLM.from_pretrained(hf)
-        tokenizer = AutoTokenizer.from_pretrained(hf)
-        ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
-        assert model(ids).logits.shape == (1, ids.shape[1], 151936)
-        assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 151643
-        report = verify(hf, ckpt, logits=True)
-        assert report.ok and report.compared > 0, report.format()
-        assert report.logits_max_abs_diff <= report.logits_tolerance, report.format()
+        _loads_with_the_checkpoints_logits(hf, ckpt)
     rows = summary_rows(run.launcher[run.launcher.rindex("Summary\n") :])
     assert rows["HF export"] == f"{(run_dir / 'hf' / 'step-4').resolve()} (verified)"
     run_id = rows["MLflow run"].split()[0]
     tags = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_run(run_id).data.tags
     assert tags["hf_export.last"].startswith("step 4 ok: ")
+
+
+def _loads_with_the_checkpoints_logits(hf, ckpt):
+    """The export `hf` loads with transformers (model and tokenizer) and its logits on a fixed
+    prompt equal torchtitan's Qwen3 loaded from the checkpoint `ckpt`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qwentitan.checkpoint import verify
+
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    assert model(ids).logits.shape == (1, ids.shape[1], 151936)
+    assert tokenizer.eos_token_id == model.generation_config.eos_token_id == 151643
+    report = verify(hf, ckpt, logits=True)
+    assert report.ok and report.compared > 0, report.format()
+    assert report.logits_max_abs_diff <= report.logits_tolerance, report.format()
 
 
 def test_a_killed_export_leaves_nothing_half_and_the_next_lands(uninterrupted, tmp_path):
@@ -350,3 +371,35 @@ def test_a_killed_export_leaves_nothing_half_and_the_next_lands(uninterrupted, t
     kept._prune()
     assert sorted(p.name for p in hf.iterdir()) == ["step-4"]
     assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-2", "step-4"]
+
+
+def test_an_export_to_s3_removes_what_a_killed_one_left_and_lands_whole(uninterrupted, s3):
+    """On S3 an export is uploaded to a hidden prefix and copied into hf/step-N with config.json
+    last: what a killed export left (a hidden upload, a step-N cut short without config.json) is
+    removed before the next export, which lands whole; a complete export is never redone."""
+    from qwentitan.launch.runtime.hf_export import HFExports
+
+    from .conftest import BUCKET
+
+    root = f"{BUCKET}/killed"
+    s3.put(str(uninterrupted[0] / "run" / "checkpoint" / "step-2"), f"{root}/checkpoint/step-2",
+           recursive=True)  # fmt: skip
+    s3.pipe({f"{root}/hf/.step-2.upload-99/model.safetensors": b"partial",
+             f"{root}/hf/step-2/model.safetensors": b"cut short"})  # fmt: skip
+    results = []
+    exports = HFExports(
+        f"s3://{root}/checkpoint", f"s3://{root}", every=2, on_result=results.append
+    )
+    exports.submit_missing()  # step-2 has no config.json: not exported yet
+    exports.close(timeout_s=300)
+    assert results == [{**results[0], "step": 2, "ok": True, "folder": f"s3://{root}/hf/step-2"}]
+    assert [p.rsplit("/", 1)[-1] for p in s3.ls(f"{root}/hf")] == ["step-2"]
+    names = {p.rsplit("/", 1)[-1] for p in s3.find(f"{root}/hf/step-2")}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= names
+    assert (
+        s3.cat(f"{root}/hf/step-2/model.safetensors")
+        == (uninterrupted[0] / "run" / "hf" / "step-2" / "model.safetensors").read_bytes()
+    )  # the same bytes as the local run's export of the same checkpoint
+    again = HFExports(f"s3://{root}/checkpoint", f"s3://{root}", every=2)
+    again.submit_missing()
+    assert not again.queue and again.proc is None

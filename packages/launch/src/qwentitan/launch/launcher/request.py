@@ -149,12 +149,6 @@ class RunRequest:
             if why:
                 fix = "drop it" if why == _IMPORTS_WHY else "pass {recipe} NAME instead"
                 raise LaunchError(f"The override {word} is refused: {why}; {fix}.", field="recipe")
-        if self.hf_every is not None and self.run_dir is not None and is_remote(self.run_dir):
-            raise LaunchError(
-                "{hf_every} exports runs in a local folder only, not yet on S3; drop {hf_every} "
-                "and export a step later with `qwentitan-ckpt to-hf` after copying it down.",
-                field="hf_every",
-            )
         if self.stop_by is not None:
             object.__setattr__(self, "stop_by", _absolute_stop_by(self.stop_by))
         if self.run_dir is not None and is_remote(self.run_dir):

@@ -78,20 +78,18 @@ class GuardedCheckpointManager(CheckpointManager):
             return
         self.export_files = export_files(flavor, hf_assets_path)
         every = self._export_config.hf_every
-        if every > 0 and filesystem.is_remote(self.folder):
-            logger.warning(
-                "--hf-every exports local run folders only, so this s3:// run is not exported; "
-                "export a step afterwards with `qwentitan-ckpt to-hf`."
-            )
-        elif every > 0 and self.async_mode != "disabled":
+        if every > 0 and self.async_mode != "disabled":
             logger.warning(
                 "--hf-every exports synchronous checkpoints only, so this run (checkpoint."
                 "async_mode) is not exported; export a step afterwards with `qwentitan-ckpt to-hf`."
             )
         elif every > 0:
+            # On S3 the run's other files are local (launcher.remote); its exports go beside
+            # its checkpoints, in the bucket.
+            remote = filesystem.is_remote(self.folder)
             self.exports = HFExports(
                 str(self.folder),
-                self._run_dir,
+                str(self.folder).rstrip("/").rsplit("/", 1)[0] if remote else self._run_dir,
                 every=every,
                 keep=self._export_config.hf_keep,
                 on_result=on_result,

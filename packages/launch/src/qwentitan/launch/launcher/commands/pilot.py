@@ -14,8 +14,8 @@ from qwentitan.launch.launcher.plan_cli import LAYOUT, add_request_flags, reques
 NAME = "pilot"
 HELP = (
     "Train each pair of implementation paths from one seeded checkpoint (--mesh: each layout "
-    "of the tiny recipes against its baseline) and compare their loss curves in MLflow; exit 1 "
-    "when a pair differs by more than its limit."
+    "of the tiny recipes against its baseline) and compare their training and validation loss "
+    "curves in MLflow; exit 1 when a pair differs by more than its limit."
 )
 # The request flags a pilot hands every child `train` (each child has its own recipe and folder).
 FIELDS = ("ranks_per_node", *LAYOUT, "seq_len", "local_batch_size", "steps", "run_dir")

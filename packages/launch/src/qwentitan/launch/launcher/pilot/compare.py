@@ -49,13 +49,29 @@ PAIRS: dict[str, Pair] = {
 }
 
 
+# The curves a pair is judged on, by MLflow metric key: the training loss at every step, and the
+# validation loss at the steps the children validated (torchtitan's step 1 and every
+# `--validate-every`), which reads the same held-out windows on any layout.
+LOSS = "loss"
+VALIDATION = "validation/loss"
+_WORDS = {LOSS: "loss", VALIDATION: "validation loss"}
+
+
 @dataclass(frozen=True, slots=True)
 class PairResult:
     pair: Pair
     diffs: dict[int, float]
     """Step -> |loss difference|, for the steps both children logged."""
     missing: dict[str, list[int]]
-    """Child -> the steps 1..steps it did not log (a child that did not train misses all)."""
+    """Child -> the steps it did not log (a child that did not train misses all)."""
+    metric: str = LOSS
+    """The curve compared: LOSS or VALIDATION."""
+
+    @property
+    def key(self) -> str:
+        """Where the parent run records it: `layout/NAME`, `layout/NAME/validation`."""
+        head = f"{self.pair.kind}/{self.pair.name}"
+        return head if self.metric == LOSS else f"{head}/{self.metric.split('/')[0]}"
 
     @property
     def max_diff(self) -> float | None:
@@ -73,28 +89,38 @@ class PairResult:
     def verdict(self) -> str:
         """One line: the pair, its worst difference and whether it is within the limit."""
         left, right = self.pair.children
+        words = _WORDS[self.metric]
         head = f"{self.pair.name} {self.pair.kind} ({left} vs {right})"
+        head += "" if self.metric == LOSS else f" {words}"
         if missing := {child: steps for child, steps in self.missing.items() if steps}:
             said = "; ".join(
-                f"{c} logged no loss for step(s) {_steps(s)}" for c, s in missing.items()
+                f"{c} logged no {words} for step(s) {_steps(s)}" for c, s in missing.items()
             )
             return f"{head}: FAILED, {said}"
         worst = max(self.diffs, key=self.diffs.__getitem__)
-        summary = f"max |loss difference| {self.diffs[worst]:.2e} at step {worst}"
+        summary = f"max |{words} difference| {self.diffs[worst]:.2e} at step {worst}"
         if (step := self.first_over) is not None:
             return (
-                f"{head}: FAILED, |loss difference| {self.diffs[step]:.2e} at step {step} exceeds "
-                f"the limit {self.pair.limit:.0e} ({summary})"
+                f"{head}: FAILED, |{words} difference| {self.diffs[step]:.2e} at step {step} "
+                f"exceeds the limit {self.pair.limit:.0e} ({summary})"
             )
         return (
-            f"{head}: passed, {summary} over {len(self.diffs)} steps (limit {self.pair.limit:.0e})"
+            f"{head}: passed, {summary} over {len(self.diffs)} step{'s' * (len(self.diffs) != 1)} "
+            f"(limit {self.pair.limit:.0e})"
         )
 
 
-def compare(pair: Pair, losses: dict[str, dict[int, float]], steps: int) -> PairResult:
-    """Compare the pair's two loss curves (child -> step -> loss) over steps 1..steps."""
-    left, right = (losses.get(child, {}) for child in pair.children)
-    wanted = range(1, steps + 1)
+def compare(
+    pair: Pair, curves: dict[str, dict[int, float]], steps: int, metric: str = LOSS
+) -> PairResult | None:
+    """Compare the pair's two curves of `metric` (child -> step -> value): the training loss over
+    steps 1..steps; the validation loss at each step up to `steps` that either child validated
+    (None when neither did: there is nothing to judge)."""
+    left, right = (curves.get(child, {}) for child in pair.children)
+    if metric == LOSS:
+        wanted = list(range(1, steps + 1))
+    elif not (wanted := sorted(s for s in {*left, *right} if s <= steps)):
+        return None
     return PairResult(
         pair,
         diffs={s: abs(left[s] - right[s]) for s in wanted if s in left and s in right},
@@ -102,6 +128,7 @@ def compare(pair: Pair, losses: dict[str, dict[int, float]], steps: int) -> Pair
             child: [s for s in wanted if s not in curve]
             for child, curve in zip(pair.children, (left, right), strict=True)
         },
+        metric=metric,
     )
 
 

@@ -1,11 +1,12 @@
-"""The pilot's picture: every child's loss curve on one plot, each pair's |loss difference| below."""
+"""The pilot's picture: every child's loss curve on one plot, each pair's |loss difference| below
+(its training loss, and its validation loss dotted)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from qwentitan.checkpoint.files import atomic_file
-from qwentitan.launch.launcher.pilot.compare import PairResult
+from qwentitan.launch.launcher.pilot.compare import LOSS, PairResult
 
 # Differences of exactly zero (bit-identical steps) have no place on a log axis; a symmetric
 # log axis shows them at 0 and stays logarithmic above this.
@@ -45,13 +46,15 @@ def plot_losses(
     for result in results:
         steps = sorted(result.diffs)
         left, right = result.pair.children
-        gaps.plot(steps, [result.diffs[s] for s in steps], marker=".", label=f"|{left} - {right}|")
+        label = f"|{left} - {right}|" + ("" if result.metric == LOSS else " validation")
+        style = "-" if result.metric == LOSS else ":"  # validation: a few steps, dotted
+        gaps.plot(steps, [result.diffs[s] for s in steps], style, marker=".", label=label)
     for limit in sorted({result.pair.limit for result in results}):
         gaps.axhline(limit, color="grey", linestyle="--", linewidth=1)
     gaps.set_yscale("symlog", linthresh=_LINEAR_BELOW)
     gaps.set_ylim(bottom=0)
     gaps.xaxis.set_major_locator(MaxNLocator(integer=True))
-    gaps.set_ylabel("|loss difference|\n(dashed: limit)")
+    gaps.set_ylabel("|loss difference|\n(dotted: validation;\ndashed: limit)")
     gaps.set_xlabel("step")
     for axes in (curves, gaps) if losses else ():  # nothing trained: no legend to show
         axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")

@@ -5,8 +5,9 @@ Hugging Face checkpoint, then trains each pair of paths from it as `qwentitan-la
 launched from this process (same seed, data order, steps and world size): `hf` and `native` on the dense one,
 `native-moe` and `moe-kernels` on the MoE one (torchtitan's experts in float32 on CPU, like the
 kernel experts). Each training is a child run of one MLflow parent in the `qwentitan-pilot`
-experiment; the parent gets each pair's per-step |loss difference|, its maximum, a PNG of all
-curves, and fails when a pair differs by more than its limit at any step. The last line printed
+experiment; the parent gets each pair's per-step |loss difference|, its |validation loss
+difference| at the steps the children validated, their maxima, a PNG of all curves, and fails
+when a pair differs by more than its limit at any step of either. The last line printed
 is the URL that opens the children side by side in the MLflow UI (`uv run nox -s mlflow_ui`).
 
 The mesh pilot (`qwentitan-launch pilot --mesh`) runs the same way over the pairs of `mesh`: each
@@ -27,7 +28,15 @@ from pathlib import Path
 
 from qwentitan.checkpoint.files import atomic_folder
 from qwentitan.launch.base.errors import LaunchError
-from qwentitan.launch.launcher.pilot.compare import PAIRS, PILOT_LR, Pair, PairResult, compare
+from qwentitan.launch.launcher.pilot.compare import (
+    LOSS,
+    PAIRS,
+    PILOT_LR,
+    VALIDATION,
+    Pair,
+    PairResult,
+    compare,
+)
 from qwentitan.launch.launcher.pilot.mesh import DEGREES, MESH, MESH_GLOBAL_BATCH, MESH_LOCAL_BATCH
 from qwentitan.launch.launcher.pilot.plot import plot_losses
 from qwentitan.launch.launcher.plan import resolve_plan
@@ -118,8 +127,18 @@ def run_pilot(
             children, chosen, folder, parent, uri, experiment, seed, lr, perturb
         )
         runs = _child_runs(target, parent, children, failed)
-        losses = {child: _losses(target, runs[child]) for child in children if child in runs}
-        results = [compare(pair, losses, request.steps or 0) for pair in chosen]
+        curves = {
+            metric: {c: _history(target, runs[c], metric) for c in children if c in runs}
+            for metric in (LOSS, VALIDATION)
+        }
+        losses = curves[LOSS]
+        steps = request.steps or 0
+        results = [
+            result
+            for pair in chosen
+            for metric in (LOSS, VALIDATION)
+            if (result := compare(pair, curves[metric], steps, metric)) is not None
+        ]
         plot = plot_losses(losses, results, folder / PLOT, title=_title(chosen))
         _log_results(target, parent, results, plot)
     except BaseException as error:  # Ctrl-C (the child saved and stopped), a full disk
@@ -361,8 +380,8 @@ def _perturbed(start: Path) -> Path:
     return folder
 
 
-def _losses(target: MlflowTarget, run_id: str) -> dict[int, float]:
-    return {m.step: m.value for m in target.client.get_metric_history(run_id, "loss")}
+def _history(target: MlflowTarget, run_id: str, metric: str) -> dict[int, float]:
+    return {m.step: m.value for m in target.client.get_metric_history(run_id, metric)}
 
 
 def _log_results(target: MlflowTarget, parent: str, results: list[PairResult], plot: Path) -> None:
@@ -372,7 +391,7 @@ def _log_results(target: MlflowTarget, parent: str, results: list[PairResult], p
     points: list[Point] = []
     tags = {}
     for result in results:
-        key = f"{result.pair.kind}/{result.pair.name}"
+        key = result.key
         points += [(f"{key}/abs_loss_diff", d, ms, s) for s, d in sorted(result.diffs.items())]
         if result.max_diff is not None:
             points.append((f"{key}/max_abs_loss_diff", result.max_diff, ms, 0))
