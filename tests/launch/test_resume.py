@@ -400,6 +400,12 @@ def test_an_export_to_s3_removes_what_a_killed_one_left_and_lands_whole(uninterr
         s3.cat(f"{root}/hf/step-2/model.safetensors")
         == (uninterrupted[0] / "run" / "hf" / "step-2" / "model.safetensors").read_bytes()
     )  # the same bytes as the local run's export of the same checkpoint
-    again = HFExports(f"s3://{root}/checkpoint", f"s3://{root}", every=2)
+    again = HFExports(f"s3://{root}/checkpoint", f"s3://{root}", every=2, keep=1)
     again.submit_missing()
     assert not again.queue and again.proc is None
+    # An export another process lands is seen, though this process listed hf/ before it did
+    # (s3fs keeps listings): --hf-keep 1 then keeps it, the newest, alone.
+    assert [p.rsplit("/", 1)[-1] for p in again.fs.ls(again.hf)] == ["step-2"]  # now cached
+    s3.pipe(f"{root}/hf/step-4/config.json", b"{}")
+    again._prune()
+    assert [p.rsplit("/", 1)[-1] for p in s3.ls(f"{root}/hf", refresh=True)] == ["step-4"]

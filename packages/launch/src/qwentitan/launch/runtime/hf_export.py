@@ -113,7 +113,10 @@ def _fs(folder: str) -> Any:
 
 
 def _names(fs: Any, folder: str) -> list[str]:
-    """The names directly in `folder` (none when it is not there)."""
+    """The names directly in `folder` (none when it is not there), as it is now: s3fs answers
+    from its listing cache, shared by the process, which knows nothing of what the export
+    process (or the ranks) wrote since."""
+    fs.invalidate_cache(folder)
     try:
         return [path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(folder, detail=False)]
     except FileNotFoundError:
@@ -160,7 +163,7 @@ class HFExports:
             s
             for name in _names(fs, self.checkpoints)
             if (s := _step(name)) is not None
-            and fs.isfile(f"{self.checkpoints}/step-{s}/.metadata")
+            and ".metadata" in _names(fs, f"{self.checkpoints}/step-{s}")
         )
         wanted = [s for s in steps if s % self.every == 0 or s == steps[-1]]
         for step in wanted[-self.keep :] if self.keep > 0 else wanted:  # what --hf-keep keeps
@@ -178,6 +181,7 @@ class HFExports:
         return f"{self.hf}/step-{step}"
 
     def _complete(self, step: int) -> bool:
+        self.fs.invalidate_cache(self._folder(step))  # see `_names`
         return self.fs.isfile(f"{self._folder(step)}/{COMPLETE}")
 
     def _start(self, step: int) -> None:
