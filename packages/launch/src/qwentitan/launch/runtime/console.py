@@ -56,6 +56,11 @@ NOISE: dict[str, str] = {
 QUIET_LOGGERS: dict[str, str] = {
     # MLflow's first write to a new sqlite store: "Creating initial MLflow database tables...".
     "mlflow.store.db.utils": "a new local store is no news",
+    # A run folder on S3: "Found credentials in environment variables.", "Found endpoint for s3
+    # via: environment_global." (missing credentials or endpoint are one sentence of ours).
+    "aiobotocore.credentials": "where the credentials came from is no news",
+    "botocore.credentials": "where the credentials came from is no news",
+    "botocore.configprovider": "where the endpoint came from is no news",
 }
 
 # Python warnings (message regex, category) that are dropped, and why.
