@@ -205,6 +205,31 @@ def test_an_s3_endpoint_that_never_answers_is_one_sentence_within_the_deadline(
     )
 
 
+def test_an_s3_endpoint_nobody_listens_on_is_said_at_once(monkeypatch):
+    """A refused connection is not a wait: the sentence says the endpoint could not be reached."""
+    import socket
+
+    from s3fs import S3FileSystem
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        S3FileSystem.clear_instance_cache()
+        try:
+            with pytest.raises(LaunchError) as error:
+                remote.check_bucket("s3://bkt/run/checkpoint")
+        finally:
+            S3FileSystem.clear_instance_cache()
+    assert str(error.value) == (
+        f"S3 at {endpoint} could not be reached (EndpointConnectionError) for "
+        "s3://bkt/run/checkpoint; check the endpoint and the network, then try again."
+    )
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_an_s3_server_dying_mid_save_is_one_sentence(tmp_path, monkeypatch, caplog):
     """The failed-save path says why in one line: no traceback, no wait on the dead server."""
@@ -246,8 +271,8 @@ def test_an_s3_server_dying_mid_save_is_one_sentence(tmp_path, monkeypatch, capl
     assert stopped.value.code == SAVE_FAILED_EXIT
     said = [r.getMessage() for r in caplog.records if r.module == "checkpointer"]
     assert said == [
-        f"Saving the checkpoint s3://dying/run/checkpoint/step-2 failed: S3 at {endpoint} did "
-        "not answer within 110 s (EndpointConnectionError); its partial folder has no "
+        f"Saving the checkpoint s3://dying/run/checkpoint/step-2 failed: S3 at {endpoint} could "
+        "not be reached (EndpointConnectionError); its partial folder has no "
         ".metadata, so --resume continues from the previous checkpoint once the endpoint "
         "answers again."
     ]

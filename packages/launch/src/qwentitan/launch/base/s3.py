@@ -73,8 +73,17 @@ def failure(url: str, error: BaseException) -> str | None:
     return None
 
 
+# Failures to connect at all (refused, no route, no such host), as opposed to a timeout: said
+# at once, not after DEADLINE_S. (botocore's ConnectTimeoutError subclasses the first.)
+_UNREACHABLE = {"EndpointConnectionError", "ClientConnectorError"}
+
+
 def no_answer(error: BaseException) -> str:
-    """`S3 at ENDPOINT did not answer within N s (ErrorName)`."""
+    """`S3 at ENDPOINT did not answer within N s (ErrorName)`, or `could not be reached` when
+    the connection itself failed."""
     endpoint = env_defaults.s3_endpoint()
     where = f"S3 at {endpoint}" if endpoint else "S3"
-    return f"{where} did not answer within {DEADLINE_S} s ({type(error).__name__})"
+    name = type(error).__name__
+    if name in _UNREACHABLE:
+        return f"{where} could not be reached ({name})"
+    return f"{where} did not answer within {DEADLINE_S} s ({name})"
