@@ -238,10 +238,13 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     reports stay in the run's local folder. With `--hf-every 2` the resumed run exports the
     step-2 checkpoint it found unexported and its own last one, step 3, into the bucket's
     `hf/`: each a verified Hugging Face folder that transformers loads, with the checkpoint's
-    logits. (One rank from scratch against more ranks: the mesh pilot in
-    tests/launch/test_every_mesh.py.)"""
+    logits. On S3 an export is uploaded to a hidden prefix and copied into hf/step-N with
+    config.json last: what a killed export left there (a hidden upload, a step-N cut short
+    without config.json) is removed before the next export, which lands whole. (One rank from
+    scratch against more ranks: the mesh pilot in tests/launch/test_every_mesh.py.)"""
     from qwentitan.checkpoint import safe_reader_for
     from qwentitan.launch.launcher import remote
+    from qwentitan.launch.runtime.hf_export import HFExports
 
     from .conftest import BUCKET
     from .test_train_summary import summary_rows
@@ -251,6 +254,13 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     s3.put(str(root / "run" / "checkpoint" / "step-2"), f"{BUCKET}/one-rank/checkpoint/step-2",
            recursive=True)  # fmt: skip
     assert s3.isfile(f"{BUCKET}/one-rank/checkpoint/step-2/.metadata")
+    hf = f"{BUCKET}/one-rank/hf"
+    s3.pipe(
+        {
+            f"{hf}/.step-2.upload-99/model.safetensors": b"partial",
+            f"{hf}/step-2/model.safetensors": b"cut short",
+        }
+    )  # what a killed export left
     run_dir = f"s3://{BUCKET}/one-rank"
     pinned = ["--global-batch-size", "2"]
     resumed = train(
@@ -271,14 +281,28 @@ def test_one_rank_resumes_the_two_rank_checkpoint_from_s3_on_the_same_curve(
     local = remote.local_folder(run_dir)  # outputs/s3/BUCKET/one-rank-HASH, in tmp_path
     assert local.parent == tmp_path / "outputs" / "s3" / BUCKET
     assert (local / "reports" / "summary.json").is_file()
-    hf = f"{BUCKET}/one-rank/hf"
     assert sorted(p.rsplit("/", 1)[-1] for p in s3.ls(hf)) == ["step-2", "step-3"]  # no leftover
+    names = {p.rsplit("/", 1)[-1] for p in s3.find(f"{hf}/step-2")}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= names
+    assert (
+        s3.cat(f"{hf}/step-2/model.safetensors")
+        == (root / "run" / "hf" / "step-2" / "model.safetensors").read_bytes()
+    )  # the same bytes as the local run's export of the same checkpoint
     assert f"Exported step 3 to {run_dir}/hf/step-3 (verified)." in resumed.plain
     rows = summary_rows(resumed.launcher[resumed.launcher.rindex("Summary\n") :])
     assert rows["HF export"] == f"{run_dir}/hf/step-3 (verified)"
     s3.get(f"{hf}/step-3", str(tmp_path / "hf-step-3"), recursive=True)
     s3.get(f"{BUCKET}/one-rank/checkpoint/step-3", str(tmp_path / "step-3"), recursive=True)
     _loads_with_the_checkpoints_logits(tmp_path / "hf-step-3", tmp_path / "step-3")
+    again = HFExports(f"{run_dir}/checkpoint", run_dir, every=2, keep=1)
+    again.submit_missing()  # a complete export is never redone
+    assert not again.queue and again.proc is None
+    # An export another process lands is seen, though this process listed hf/ before it did
+    # (s3fs keeps listings): --hf-keep 1 then keeps it, the newest, alone.
+    assert [p.rsplit("/", 1)[-1] for p in again.fs.ls(again.hf)] == ["step-2", "step-3"]
+    s3.pipe(f"{hf}/step-4/config.json", b"{}")
+    again._prune()
+    assert [p.rsplit("/", 1)[-1] for p in s3.ls(hf, refresh=True)] == ["step-4"]
 
 
 def test_each_checkpoint_exports_itself_to_a_verified_hugging_face_folder(uninterrupted):
@@ -373,41 +397,3 @@ def test_a_killed_export_leaves_nothing_half_and_the_next_lands(uninterrupted, t
     kept._prune()
     assert sorted(p.name for p in hf.iterdir()) == ["step-4"]
     assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-2", "step-4"]
-
-
-def test_an_export_to_s3_removes_what_a_killed_one_left_and_lands_whole(uninterrupted, s3):
-    """On S3 an export is uploaded to a hidden prefix and copied into hf/step-N with config.json
-    last: what a killed export left (a hidden upload, a step-N cut short without config.json) is
-    removed before the next export, which lands whole; a complete export is never redone."""
-    from qwentitan.launch.runtime.hf_export import HFExports
-
-    from .conftest import BUCKET
-
-    root = f"{BUCKET}/killed"
-    s3.put(str(uninterrupted[0] / "run" / "checkpoint" / "step-2"), f"{root}/checkpoint/step-2",
-           recursive=True)  # fmt: skip
-    s3.pipe({f"{root}/hf/.step-2.upload-99/model.safetensors": b"partial",
-             f"{root}/hf/step-2/model.safetensors": b"cut short"})  # fmt: skip
-    results = []
-    exports = HFExports(
-        f"s3://{root}/checkpoint", f"s3://{root}", every=2, on_result=results.append
-    )
-    exports.submit_missing()  # step-2 has no config.json: not exported yet
-    exports.close(timeout_s=300)
-    assert results == [{**results[0], "step": 2, "ok": True, "folder": f"s3://{root}/hf/step-2"}]
-    assert [p.rsplit("/", 1)[-1] for p in s3.ls(f"{root}/hf")] == ["step-2"]
-    names = {p.rsplit("/", 1)[-1] for p in s3.find(f"{root}/hf/step-2")}
-    assert {"config.json", "tokenizer.json", "model.safetensors"} <= names
-    assert (
-        s3.cat(f"{root}/hf/step-2/model.safetensors")
-        == (uninterrupted[0] / "run" / "hf" / "step-2" / "model.safetensors").read_bytes()
-    )  # the same bytes as the local run's export of the same checkpoint
-    again = HFExports(f"s3://{root}/checkpoint", f"s3://{root}", every=2, keep=1)
-    again.submit_missing()
-    assert not again.queue and again.proc is None
-    # An export another process lands is seen, though this process listed hf/ before it did
-    # (s3fs keeps listings): --hf-keep 1 then keeps it, the newest, alone.
-    assert [p.rsplit("/", 1)[-1] for p in again.fs.ls(again.hf)] == ["step-2"]  # now cached
-    s3.pipe(f"{root}/hf/step-4/config.json", b"{}")
-    again._prune()
-    assert [p.rsplit("/", 1)[-1] for p in s3.ls(f"{root}/hf", refresh=True)] == ["step-4"]

@@ -101,7 +101,7 @@ def write_export_files(step_folder: str, files: dict[str, bytes]) -> None:
 
 
 def _step(name: str) -> int | None:
-    match = _STEP.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
+    match = _STEP.fullmatch(name)
     return int(match[1]) if match else None
 
 
@@ -234,7 +234,7 @@ class HFExports:
         unverified export, an S3 upload) and a `step-N` whose copy into place was cut short.
         Only one export runs at a time, and none does now."""
         for name in _names(self.fs, self.hf):
-            cut_short = _step(name) is not None and not self._complete(_step(name))
+            cut_short = (step := _step(name)) is not None and not self._complete(step)
             path = f"{self.hf}/{name}"
             if (name.startswith(".") or cut_short) and self.fs.isdir(path):
                 with contextlib.suppress(OSError):  # a link placed there is not followed
@@ -310,9 +310,11 @@ def export_remote(step_url: str, out_url: str) -> int:
                 fs.get_file(path, str(local))
             if code := export(local_step, local_out):
                 return code
-            files = sorted(p.relative_to(local_out).as_posix() for p in local_out.rglob("*"))
-            files = sorted((f for f in files if (local_out / f).is_file()), key=COMPLETE.__eq__)
-            for file in files:  # the marker last
+            files = sorted(
+                (p.relative_to(local_out).as_posix() for p in local_out.rglob("*") if p.is_file()),
+                key=lambda file: (file == COMPLETE, file),  # the marker last
+            )
+            for file in files:
                 fs.put_file(str(local_out / file), f"{hidden}/{file}")
             for file in files:
                 fs.copy(f"{hidden}/{file}", f"{out_url}/{file}")
