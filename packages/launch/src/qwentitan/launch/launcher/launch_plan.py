@@ -39,7 +39,7 @@ FORMAT = "qwentitan-plan/1"
 LOGS_FOLDER = "logs"
 # Derived facts a pickled plan keeps (the plan's child process hands the plan to `train`, which
 # must not import torch to read them); the config and the torch objects stay behind.
-_PLAIN_FACTS = ("console_rank", "run_folder", "checkpoints", "summary_file")
+_PLAIN_FACTS = ("console_rank", "run_folder", "checkpoints", "summary_file", "hf_export_file")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +132,13 @@ class LaunchPlan:
         from qwentitan.launch.tracking.logger import REPORTS_FOLDER, SUMMARY
 
         return self.run_folder / REPORTS_FOLDER / f"{SUMMARY}.json"
+
+    @cached_property
+    def hf_export_file(self) -> Path:
+        """RUN_DIR/reports/hf_export.json: rank 0's last Hugging Face export (`--hf-every`)."""
+        from qwentitan.launch.tracking.logger import HF_EXPORT, REPORTS_FOLDER
+
+        return self.run_folder / REPORTS_FOLDER / f"{HF_EXPORT}.json"
 
     @property
     def seq_len(self) -> int:

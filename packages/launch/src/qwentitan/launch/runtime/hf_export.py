@@ -14,8 +14,8 @@
 On S3 (`--run-dir s3://...`) the export process downloads the step folder to a local temporary
 folder, exports and verifies it there, uploads it to a hidden sibling prefix and copies it into
 `hf/step-N` with `config.json` last (S3 has no rename): a `step-N` without `config.json` is a
-copy cut short, removed like a hidden sibling. Every export, local or on S3, is complete when
-its `config.json` is there.
+copy cut short, removed like a hidden sibling before that step is exported again. Every export,
+local or on S3, is complete when its `config.json` is there.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class HFExports:
 
     def _start(self, step: int) -> None:
         self.fs.makedirs(self.hf, exist_ok=True)
-        self._remove_leftovers()
+        self._remove_leftovers(step)
         handle, name = tempfile.mkstemp(prefix=f"qwentitan-export-step-{step}-", suffix=".log")
         command = [sys.executable, "-m", __name__]
         command += [f"{self.checkpoints}/step-{step}", self._folder(step)]
@@ -216,7 +216,7 @@ class HFExports:
             error = lines[-1] if lines else f"the export process ended with code {code}"
         self.proc, self.current = None, None
         if not ok:
-            self._remove_leftovers()
+            self._remove_leftovers(step)
         self.last = {
             "step": step,
             "folder": self._folder(step),
@@ -229,14 +229,17 @@ class HFExports:
         if self.on_result is not None:
             self.on_result(self.last)
 
-    def _remove_leftovers(self) -> None:
+    def _remove_leftovers(self, step: int) -> None:
         """What a killed export left: hidden partial folders (to_hf's temporary siblings, an
-        unverified export, an S3 upload) and a `step-N` whose copy into place was cut short.
-        Only one export runs at a time, and none does now."""
-        for name in _names(self.fs, self.hf):
-            cut_short = (step := _step(name)) is not None and not self._complete(step)
+        unverified export, an S3 upload) and the `step-N` of `step` if its copy into place was
+        cut short (only that one is checked: one request, not one per export, between two
+        steps of rank 0). Only one export runs at a time, and none does now."""
+        names = [n for n in _names(self.fs, self.hf) if n.startswith(".")]
+        if not self._complete(step):
+            names.append(f"step-{step}")
+        for name in names:
             path = f"{self.hf}/{name}"
-            if (name.startswith(".") or cut_short) and self.fs.isdir(path):
+            if self.fs.isdir(path):
                 with contextlib.suppress(OSError):  # a link placed there is not followed
                     self.fs.rm(path, recursive=True)
 

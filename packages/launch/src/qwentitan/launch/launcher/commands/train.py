@@ -145,7 +145,7 @@ def train_plan(
         checkpoints = (
             f"not confirmed, the run failed (--resume takes the newest whole one in {checkpoints})"
         )
-    block = _summary_block(plan.summary_file, checkpoints, started, ended)
+    block = _summary_block(plan.summary_file, plan.hf_export_file, checkpoints, started, ended)
     if block is not None:
         print(block, flush=True)
     else:
@@ -208,17 +208,17 @@ def _run_folder(recipe: str, given: str | None, resume: str) -> tuple[Path, bool
 
 
 def _summary_block(
-    path: Path, checkpoint_folder: str | None, started: float, ended: list[str]
+    path: Path, export: Path, checkpoint_folder: str | None, started: float, ended: list[str]
 ) -> str | None:
     """The block the metrics rank left for this run (None if it wrote none: a failed start),
-    with the earlier starts whose MLflow run this command ended (`ended`)."""
+    with rank 0's last export of this run (`export`, --hf-every) and the earlier starts whose
+    MLflow run this command ended (`ended`)."""
     from qwentitan.launch.tracking.summary import format_summary
 
     # An earlier run's file (a run folder continued with --resume) is not this run's summary.
     if not path.is_file() or path.stat().st_mtime < started:
         return None
     report = json.loads(path.read_text(encoding="utf-8"))
-    export = path.with_name("hf_export.json")  # rank 0's last Hugging Face export (--hf-every)
     if export.is_file() and export.stat().st_mtime >= started:
         report["hf_export"] = json.loads(export.read_text(encoding="utf-8"))
     return format_summary(report, checkpoint_folder, ended)
